@@ -1,0 +1,267 @@
+"""The run's config schema, its registration in Hydra's ConfigStore, and the cross-field rules.
+
+Each dataclass types one config group or section; the yaml files under `conf/` are validated against
+them when Hydra composes, so a misspelt key or a wrong type fails there. Rules that span fields live in
+`validate`, which runs before anything heavy is built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class UserError(Exception):
+    """A problem the user can fix: shown as one line (key, bad value, fix), never as a traceback."""
+
+
+AC_MODES = ("none", "full", "selective", "memory_budget")
+# Backends whose AOT partitioner is the min-cut one that reads activation_memory_budget.
+# Plain "aot_eager" uses the default partitioner, which silently ignores the budget.
+BUDGET_BACKENDS = ("inductor", "aot_eager_decomp_partition")
+COMPILE_BACKENDS = ("inductor", "aot_eager_decomp_partition", "aot_eager", "eager")
+SOLVERS = ("dp", "greedy", "ilp")
+RUNTIME_ESTIMATORS = ("flops", "profile")
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    dim: int = MISSING
+    n_layers: int = MISSING
+    n_heads: int = MISSING
+    n_kv_heads: Optional[int] = None  # None: same as n_heads (no grouped-query attention)
+    vocab_size: int = MISSING
+    multiple_of: int = 256  # FFN hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama 3.1 RoPE frequency scaling; off (None) for Llama 3.0
+    rope_scaling_factor: Optional[float] = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+
+
+@dataclass
+class ACConfig:
+    mode: str = "none"  # none | full | selective | memory_budget
+    # full AC (torch.utils.checkpoint, non-reentrant)
+    preserve_rng_state: bool = True
+    determinism_check: str = "default"  # "default" compares recomputed metadata; "none" skips it
+    debug: bool = False
+    # selective AC: "op" (per-op policy) or a positive integer N as a string (every N-th block full AC)
+    selective_option: str = "op"
+    # module names (suffix match, e.g. "feed_forward.w2") whose matmuls are always recomputed
+    force_recompute_modules: list[str] = field(default_factory=list)
+    # memory_budget: fraction of activations the partitioner may save, in [0, 1]
+    memory_budget: Any = 0.5
+    solver: str = "dp"  # dp | greedy | ilp (ilp needs scipy)
+    runtime_estimator: str = "flops"  # flops | profile
+    visualize_pareto: bool = False  # SVGs into <run dir>/memory_budget_pareto/ (needs matplotlib)
+
+
+@dataclass
+class CompileConfig:
+    # None = automatic: on for ac=memory_budget (the budget lives in the compiler), off otherwise
+    enabled: Optional[bool] = None
+    backend: str = "inductor"
+    fullgraph: bool = True
+
+
+@dataclass
+class ParallelismConfig:
+    name: str = "single"
+    # Degrees of the device mesh; their product is the world size. -1 = inferred from the world size.
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    # FSDP mixed precision on GPU: parameters in param_dtype, gradients reduced in reduce_dtype
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+
+
+@dataclass
+class TokenizerConfig:
+    name: str = "byte"  # byte | tiktoken
+    path: Optional[str] = None  # tiktoken: path of the Llama 3 tokenizer.model
+
+
+@dataclass
+class DataConfig:
+    name: str = "pydoc"  # pydoc | text | jsonl | synthetic | hf
+    path: Optional[str] = None  # text/jsonl: a file, a directory or a glob
+    text_field: str = "text"  # jsonl / hf: the field holding the document text
+    hf_path: Optional[str] = None  # hf: dataset on the Hub ("allenai/c4") or a local builder ("json")
+    hf_name: Optional[str] = None  # hf: the dataset's config name ("en", "sample-10BT")
+    hf_data_files: Optional[str] = None  # hf: local files for a builder such as "json"
+    split: str = "train"
+    streaming: bool = True
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass
+class LRScheduleConfig:
+    warmup_steps: int = 10
+    decay: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.1  # final LR as a fraction of the peak
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch_size: Optional[int] = None  # per rank per forward; None = no gradient accumulation
+    seq_len: int = 256
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    device: str = "auto"  # auto (CUDA when present, else CPU) | cpu | cuda
+    dtype: str = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU | float32 | bfloat16
+    log_every: int = 1
+    progress: str = "auto"  # auto: a bar on a terminal, log lines otherwise | bar | lines | off
+    peak_flops: Optional[float] = None  # per device, for MFU where the device is not known
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"  # wandb | none
+    project: str = "membudget"
+    entity: Optional[str] = None
+    group: Optional[str] = None  # None: the sweep's name in a multirun, else none
+    tags: list[str] = field(default_factory=list)
+    run_name: Optional[str] = None  # None: built from the AC mode and budget
+    mode: Optional[str] = None  # None: WANDB_MODE from the environment, else offline
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ac: ACConfig = field(default_factory=ACConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def register_configs() -> None:
+    """Register the schema so `conf/config.yaml` and each group option are validated against it."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    for group, node in (
+        ("model", ModelConfig),
+        ("ac", ACConfig),
+        ("compile", CompileConfig),
+        ("parallelism", ParallelismConfig),
+        ("tokenizer", TokenizerConfig),
+        ("data", DataConfig),
+        ("logger", LoggerConfig),
+    ):
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def _fail(key: str, value: Any, fix: str) -> None:
+    raise UserError(f"{key}={value!r}: {fix}")
+
+
+def compile_enabled(cfg: Any) -> bool:
+    """Whether blocks are compiled: explicit setting, else on exactly for ac=memory_budget."""
+    if cfg.compile.enabled is None:
+        return cfg.ac.mode == "memory_budget"
+    return bool(cfg.compile.enabled)
+
+
+def validate(cfg: Any) -> None:
+    """Check the rules that span fields; raise UserError naming the key, the bad value and the fix."""
+    ac = cfg.ac
+    if ac.mode not in AC_MODES:
+        _fail("ac.mode", ac.mode, f"choose one of {', '.join(AC_MODES)}")
+    if cfg.compile.backend not in COMPILE_BACKENDS:
+        _fail("compile.backend", cfg.compile.backend, f"choose one of {', '.join(COMPILE_BACKENDS)}")
+    if ac.mode == "selective":
+        opt = str(ac.selective_option)
+        if opt != "op" and not (opt.isdigit() and int(opt) > 0):
+            _fail("ac.selective_option", ac.selective_option,
+                  "use 'op' for the per-op policy or a positive integer N to fully checkpoint every N-th block")
+    if ac.mode == "memory_budget":
+        budget = ac.memory_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or math.isnan(budget):
+            _fail("ac.memory_budget", budget, "set a number in [0, 1], e.g. ac.memory_budget=0.5")
+        if not 0.0 <= float(budget) <= 1.0:
+            _fail("ac.memory_budget", budget,
+                  "set a number in [0, 1]: 0.0 recomputes the whole compiled region, 1.0 is the default plan")
+        if cfg.compile.enabled is False:
+            _fail("compile.enabled", False,
+                  "ac=memory_budget works inside the compiler: drop compile.enabled=false (it turns compile on)")
+        if cfg.compile.backend not in BUDGET_BACKENDS:
+            _fail("compile.backend", cfg.compile.backend,
+                  "this backend's partitioner ignores the memory budget: use compile.backend=inductor "
+                  "(or aot_eager_decomp_partition for fast CPU tests)")
+        if ac.solver not in SOLVERS:
+            _fail("ac.solver", ac.solver, f"choose one of {', '.join(SOLVERS)}")
+        if ac.runtime_estimator not in RUNTIME_ESTIMATORS:
+            _fail("ac.runtime_estimator", ac.runtime_estimator, f"choose one of {', '.join(RUNTIME_ESTIMATORS)}")
+        if ac.solver == "ilp":
+            try:
+                import scipy.optimize  # noqa: F401
+            except ImportError:
+                _fail("ac.solver", "ilp", "the ilp solver needs scipy: pip install scipy (or use ac.solver=dp)")
+        if ac.visualize_pareto:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                _fail("ac.visualize_pareto", True, "the Pareto plots need matplotlib: pip install matplotlib")
+    if ac.determinism_check not in ("default", "none"):
+        _fail("ac.determinism_check", ac.determinism_check, "choose default or none")
+
+    m = cfg.model
+    if m.dim % m.n_heads:
+        _fail("model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}")
+    n_kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % n_kv:
+        _fail("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}")
+
+    t = cfg.train
+    for key in ("steps", "global_batch_size", "seq_len", "log_every"):
+        if getattr(t, key) <= 0:
+            _fail(f"train.{key}", getattr(t, key), "must be a positive integer")
+    if t.seq_len > m.max_seq_len:
+        _fail("train.seq_len", t.seq_len, f"must be at most model.max_seq_len={m.max_seq_len}")
+    if t.micro_batch_size is not None:
+        if t.micro_batch_size <= 0 or t.global_batch_size % t.micro_batch_size:
+            _fail("train.micro_batch_size", t.micro_batch_size,
+                  f"must be a positive divisor of the per-rank batch (train.global_batch_size={t.global_batch_size})")
+    if t.device not in ("auto", "cpu", "cuda"):
+        _fail("train.device", t.device, "choose auto, cpu or cuda")
+    if t.dtype not in ("auto", "float32", "bfloat16"):
+        _fail("train.dtype", t.dtype, "choose auto, float32 or bfloat16")
+    if t.progress not in ("auto", "bar", "lines", "off"):
+        _fail("train.progress", t.progress, "choose auto, bar, lines or off")
+    if cfg.optimizer.lr <= 0:
+        _fail("optimizer.lr", cfg.optimizer.lr, "must be positive")
+    if cfg.lr_schedule.decay not in ("cosine", "linear", "constant"):
+        _fail("lr_schedule.decay", cfg.lr_schedule.decay, "choose cosine, linear or constant")
+    if cfg.logger.name not in ("wandb", "none"):
+        _fail("logger.name", cfg.logger.name, "choose logger=wandb or logger=none")
+    if cfg.tokenizer.name not in ("byte", "tiktoken"):
+        _fail("tokenizer.name", cfg.tokenizer.name, "choose tokenizer=byte or tokenizer=tiktoken")
+    if cfg.data.name not in ("pydoc", "text", "jsonl", "synthetic", "hf"):
+        _fail("data.name", cfg.data.name, "choose data=pydoc, text, jsonl, synthetic or hf")

@@ -1,0 +1,180 @@
+"""Llama 3 in plain PyTorch: RMSNorm, RoPE (with optional Llama 3.1 scaling), grouped-query attention on
+scaled_dot_product_attention, SwiGLU feed-forward. Blocks live in `model.layers` (a ModuleDict keyed by
+index) so AC, compile and sharding apply per block and swap blocks in place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    n_kv_heads: Optional[int] = None
+    multiple_of: int = 256
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling_factor: Optional[float] = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelArgs":
+        return cls(**{k: cfg[k] for k in cls.__dataclass_fields__})
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        # Meta's rule: 2/3 of 4*dim, scaled, rounded up to multiple_of (14336 for 8B).
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+def rope_frequencies(args: ModelArgs, seq_len: int, device=None) -> torch.Tensor:
+    """Complex rotations [seq_len, head_dim/2]; with Llama 3.1 scaling of the low frequencies."""
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, device=device).float() / args.head_dim))
+    if args.rope_scaling_factor is not None:
+        low_wavelen = args.rope_original_max_seq_len / args.rope_low_freq_factor
+        high_wavelen = args.rope_original_max_seq_len / args.rope_high_freq_factor
+        wavelen = 2 * math.pi / freqs
+        smooth = (args.rope_original_max_seq_len / wavelen - args.rope_low_freq_factor) / (
+            args.rope_high_freq_factor - args.rope_low_freq_factor
+        )
+        scaled = (1 - smooth) * freqs / args.rope_scaling_factor + smooth * freqs
+        freqs = torch.where(wavelen > low_wavelen, freqs / args.rope_scaling_factor,
+                            torch.where(wavelen < high_wavelen, freqs, scaled))
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    # x: [batch, seq, heads, head_dim]
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rotated = torch.view_as_real(xc * freqs_cis[None, :, None, :]).flatten(3)
+    return rotated.type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads or args.n_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 instead of the head count so a tensor-parallel shard (fewer local heads) works unchanged
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        # Depth-scaled init of the output projections keeps the residual stream's variance bounded.
+        self.init_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        for lin in (self.attention.wq, self.attention.wk, self.attention.wv, self.feed_forward.w1):
+            nn.init.trunc_normal_(lin.weight, std=0.02)
+        for lin in (self.attention.wo, self.feed_forward.w2, self.feed_forward.w3):
+            nn.init.trunc_normal_(lin.weight, std=self.init_std)
+        for norm in (self.attention_norm, self.ffn_norm):
+            nn.init.ones_(norm.weight)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # A buffer so it follows .to(device); not persistent: it is derived from args, not learned.
+        self.register_buffer("freqs_cis", rope_frequencies(args, args.max_seq_len), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        freqs_cis = self.freqs_cis[: tokens.shape[1]]
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every weight (also after building on the meta device and `to_empty`)."""
+        self.freqs_cis = rope_frequencies(self.args, self.args.max_seq_len, device=self.freqs_cis.device)
+        nn.init.normal_(self.tok_embeddings.weight)
+        # modules() reaches the blocks through AC and compile wrappers too
+        for module in self.modules():
+            if isinstance(module, TransformerBlock):
+                module.init_weights()
+        nn.init.ones_(self.norm.weight)
+        if not self.args.tie_embeddings:
+            bound = 3 / math.sqrt(self.args.dim)
+            nn.init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5, a=-bound, b=bound)
+
+
+def num_params(model: nn.Module) -> int:
+    """Parameters counted once each (a tied embedding counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

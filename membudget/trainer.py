@@ -1,0 +1,251 @@
+"""The training loop: build everything from the config, train, measure, write metrics and the summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from membudget.ac import compiler_scope
+from membudget.config import UserError, compile_enabled, validate
+from membudget.data import TokenBatches, build_tokenizer, vocab_size_check
+from membudget.metrics import (
+    ActivationCounter,
+    MetricsWriter,
+    device_peak_flops,
+    finite_or_none,
+    flops_per_token,
+    init_wandb,
+    peak_memory,
+)
+from membudget.model import ModelArgs, Transformer, num_params
+from membudget.parallel import parallelize, pick_device
+
+log = logging.getLogger("membudget")
+
+
+class LossNotFinite(UserError):
+    """The loss became NaN or inf: the run stops instead of training on garbage."""
+
+
+def build_model(cfg, device: torch.device) -> Transformer:
+    """Llama 3 built on the meta device, wrapped per block (AC, compile), then materialised and initialised."""
+    with torch.device("meta"):
+        model = Transformer(ModelArgs.from_config(cfg.model))
+    parallelize(model, cfg)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model
+
+
+def lr_lambda(cfg):
+    """Linear warmup to the peak LR, then cosine or linear decay to min_lr_ratio of it."""
+    warmup, total = cfg.lr_schedule.warmup_steps, cfg.train.steps
+    floor = cfg.lr_schedule.min_lr_ratio
+
+    def factor(step: int) -> float:  # step counts from 0
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if cfg.lr_schedule.decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule.decay == "cosine" else 1 - progress
+        return floor + (1 - floor) * shape
+
+    return factor
+
+
+def build_optimizer(model: torch.nn.Module, cfg):
+    o = cfg.optimizer
+    # No weight decay on norms (1-D weights): the usual choice for Llama-style models.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+
+def forward_backward(model, inputs, labels, counter: ActivationCounter, autocast=nullcontext(), scale: float = 1.0):
+    """One micro-batch: forward under the activation counter, loss, backward of `scale * loss`.
+
+    Returns the detached loss and the activation bytes the forward kept for backward.
+    """
+    with counter.count(), autocast:
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    nbytes = counter.nbytes
+    counter.release()
+    (loss * scale).backward()
+    return loss.detach(), nbytes
+
+
+class Progress:
+    """A tqdm bar on a terminal; plain log lines otherwise (SLURM logs, pipes)."""
+
+    def __init__(self, mode: str, total: int):
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "lines"
+        self.mode = mode
+        self.bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, row: dict[str, Any]) -> None:
+        mem = row["peak_memory_bytes"] / 2**30
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", mem=f"{mem:.2f}GiB")
+        elif self.mode == "lines":
+            log.info("step %d | loss %.4f | lr %.2e | %.0f tok/s | %.3f s/step | peak mem %.2f GiB | act %.1f MiB",
+                     row["step"], row["loss"], row["lr"], row["tokens_per_s"], row["step_time_s"], mem,
+                     row["activation_bytes"] / 2**20)
+
+    def advance(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, Any]:
+    """Train per `cfg`, writing metrics.jsonl and summary.json into `run_dir`; returns the summary."""
+    validate(cfg)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = pick_device(cfg.train.device)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    vocab_size_check(tokenizer, cfg.model.vocab_size)
+    batches = TokenBatches(cfg.data, tokenizer, cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.seed)
+
+    wandb_run = init_wandb(cfg, run_dir, wandb_group)
+    summary: dict[str, Any] = {"status": "failed"}
+    try:
+        with compiler_scope(cfg.ac, run_dir):
+            summary = _train_loop(cfg, run_dir, device, batches, wandb_run)
+    except BaseException as e:
+        summary["error"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        summary.update(_summary_header(cfg, wandb_run))
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if wandb_run is not None:
+            wandb_run.summary.update({k: v for k, v in summary.items() if k not in ("config", "wandb")})
+            wandb_run.finish(exit_code=0 if summary["status"] == "completed" else 1)
+    return summary
+
+
+def _summary_header(cfg, wandb_run) -> dict[str, Any]:
+    return {
+        "ac_mode": cfg.ac.mode,
+        "memory_budget": float(cfg.ac.memory_budget) if cfg.ac.mode == "memory_budget" else None,
+        "selective_option": str(cfg.ac.selective_option) if cfg.ac.mode == "selective" else None,
+        "compile": compile_enabled(cfg),
+        "wandb": None if wandb_run is None else {
+            "project": wandb_run.project, "group": wandb_run.group, "id": wandb_run.id, "dir": wandb_run.dir,
+        },
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+
+
+def _train_loop(cfg, run_dir: Path, device: torch.device, batches: TokenBatches, wandb_run) -> dict[str, Any]:
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    model = build_model(cfg, device)
+    n_params = num_params(model)
+    log.info("model %s: %s parameters, ac=%s, compile=%s on %s", cfg.model.name, f"{n_params:,}", cfg.ac.mode,
+             cfg.compile.backend if compile_enabled(cfg) else "off", device)
+    optimizer, scheduler = build_optimizer(model, cfg)
+    counter = ActivationCounter(model)
+    writer = MetricsWriter(run_dir, wandb_run)
+
+    use_bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+    micro = t.micro_batch_size or t.global_batch_size
+    n_micro = t.global_batch_size // micro
+    tokens_per_step = t.global_batch_size * t.seq_len
+    args = model.args
+    flops_tok = flops_per_token(n_params, args.n_layers, args.n_heads, args.head_dim, t.seq_len)
+    peak_flops = device_peak_flops(device, t.peak_flops)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    rows: list[dict[str, Any]] = []
+    progress = Progress(t.progress, t.steps)
+    try:
+        for step in range(1, t.steps + 1):
+            start = time.perf_counter()
+            inputs, labels = next(batches)
+            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            loss_sum = torch.zeros((), device=device)
+            activation_bytes = 0
+            for x, y in zip(inputs.split(micro), labels.split(micro)):
+                # activations live from one micro-batch's forward to its backward: keep the max
+                loss, nbytes = forward_backward(model, x, y, counter, autocast, scale=1 / n_micro)
+                activation_bytes = max(activation_bytes, nbytes)
+                loss_sum += loss
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            loss_value = (loss_sum / n_micro).item()  # syncs the device, so the timing below is complete
+            step_time = time.perf_counter() - start
+            if not math.isfinite(loss_value):
+                raise LossNotFinite(
+                    f"loss={loss_value} at train step {step}: training diverged; lower optimizer.lr "
+                    f"(now {cfg.optimizer.lr}) or train.max_grad_norm, or check the data"
+                )
+            progress.advance(1)
+            if step % t.log_every and step != t.steps:
+                continue
+            tokens_per_s = tokens_per_step / step_time
+            row = {
+                "step": step,
+                "loss": loss_value,
+                "lr": lr,
+                "grad_norm": grad_norm.item(),
+                "tokens_per_s": tokens_per_s,
+                "step_time_s": step_time,
+                "activation_bytes": activation_bytes,
+                **peak_memory(device),
+                "mfu": tokens_per_s * flops_tok / peak_flops if peak_flops else None,
+            }
+            rows.append(row)
+            writer.write(row)
+            progress.update(row)
+    finally:
+        progress.close()
+
+    # the first logged steps include compilation: leave them out of the medians when there are enough
+    steady = rows[len(rows) // 4:] if len(rows) >= 4 else rows
+    mfus = [r["mfu"] for r in steady if r["mfu"] is not None]
+    summary = {
+        "status": "completed",
+        "num_params": n_params,
+        "steps": t.steps,
+        "final_loss": rows[-1]["loss"],
+        "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+        "median_step_time_s": statistics.median(r["step_time_s"] for r in steady),
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
+        "activation_bytes": rows[-1]["activation_bytes"],
+        "mfu": finite_or_none(statistics.median(mfus)) if mfus else None,
+    }
+    log.info("done: final loss %.4f, median %.0f tok/s, activations %.1f MiB, peak memory %.2f GiB",
+             summary["final_loss"], summary["median_tokens_per_s"], summary["activation_bytes"] / 2**20,
+             summary["peak_memory_bytes"] / 2**30)
+    return summary

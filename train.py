@@ -1,0 +1,38 @@
+"""Train Llama 3 with an activation-checkpointing mode, configured by Hydra.
+
+    python train.py ac=memory_budget ac.memory_budget=0.4
+    python train.py -m ac=none,full,selective,memory_budget
+"""
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from membudget.config import UserError, register_configs
+
+register_configs()
+log = logging.getLogger("membudget")
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    from membudget.trainer import train  # after composing: a bad override fails before torch loads
+
+    hc = HydraConfig.get()
+    # one W&B group per sweep: its output dir, e.g. multirun/2026-12-02/11-30-00 -> 2026-12-02_11-30-00
+    group = "_".join(Path(hc.sweep.dir).parts[-2:]) if hc.mode == RunMode.MULTIRUN else None
+    try:
+        summary = train(cfg, Path(hc.runtime.output_dir), wandb_group=group)
+    except UserError as e:
+        log.error("error: %s", e)
+        sys.exit(2)
+    return summary["final_loss"]
+
+
+if __name__ == "__main__":
+    main()
