@@ -7,12 +7,15 @@ them when Hydra composes, so a misspelt key or a wrong type fails there. Rules t
 
 from __future__ import annotations
 
+import datetime
 import math
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 class UserError(Exception):
@@ -85,6 +88,8 @@ class ParallelismConfig:
     # FSDP mixed precision on GPU: parameters in param_dtype, gradients reduced in reduce_dtype
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
+    # collectives that wait longer than this fail instead of hanging (a rank died, a node was lost)
+    timeout_s: int = 600
 
 
 @dataclass
@@ -162,8 +167,32 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
+def launch_rank() -> int:
+    """This process's rank from torchrun's or SLURM's environment (0 when launched alone)."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return int(os.environ.get("SLURM_PROCID", "0"))
+    return 0
+
+
+def launch_time(pattern: str) -> str:
+    """The launch's start time, formatted: the same in every rank of a torchrun or srun job (their common
+    parent, the torchrun agent or slurmstepd, started once), so that all ranks agree on Hydra's run dir."""
+    started = time.time()
+    if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        import psutil
+
+        started = psutil.Process(os.getppid()).create_time()
+    return datetime.datetime.fromtimestamp(started).strftime(pattern)
+
+
 def register_configs() -> None:
-    """Register the schema so `conf/config.yaml` and each group option are validated against it."""
+    """Register the schema so `conf/config.yaml` and each group option are validated against it, and the
+    resolvers that keep the ranks of one job in one run dir with one log file each."""
+    OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("rank_suffix", lambda: f"_rank{launch_rank()}" if launch_rank() else "",
+                                    replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     for group, node in (
@@ -189,7 +218,31 @@ def compile_enabled(cfg: Any) -> bool:
     return bool(cfg.compile.enabled)
 
 
-def validate(cfg: Any) -> None:
+def mesh_degrees(p: Any, world_size: int) -> dict[str, int]:
+    """The degrees of the (dp_replicate, dp_shard, tp) mesh, one -1 inferred from the world size."""
+    degrees = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
+    for key, value in degrees.items():
+        if value == 0 or value < -1:
+            _fail(f"parallelism.{key}", value, "use a positive degree, or -1 to infer it from the world size")
+    inferred = [k for k, v in degrees.items() if v == -1]
+    if len(inferred) > 1:
+        _fail(f"parallelism.{inferred[1]}", -1, "only one degree can be -1 (inferred); set the others")
+    known = math.prod(v for v in degrees.values() if v != -1)
+    if inferred:
+        if world_size % known:
+            _fail(f"parallelism.{inferred[0]}", -1,
+                  f"world size {world_size} is not a multiple of the other degrees' product {known}; "
+                  f"launch a multiple of {known} processes")
+        degrees[inferred[0]] = world_size // known
+    product = math.prod(degrees.values())
+    if product != world_size:
+        shown = ", ".join(f"{k}={v}" for k, v in degrees.items())
+        _fail("parallelism", p.name, f"degrees {shown} multiply to {product} but the world size is {world_size}; "
+              f"launch {product} processes or set one degree to -1 to infer it")
+    return degrees
+
+
+def validate(cfg: Any, world_size: int = 1) -> None:
     """Check the rules that span fields; raise UserError naming the key, the bad value and the fix."""
     ac = cfg.ac
     if ac.mode not in AC_MODES:
@@ -239,6 +292,21 @@ def validate(cfg: Any) -> None:
     if m.n_heads % n_kv:
         _fail("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}")
 
+    degrees = mesh_degrees(cfg.parallelism, world_size)
+    tp = degrees["tp"]
+    if tp > 1:
+        from membudget.model import ModelArgs
+
+        ffn_hidden = ModelArgs.from_config(m).ffn_hidden
+        for key, size in (("model.n_heads", m.n_heads), ("model.n_kv_heads", n_kv), ("FFN hidden size", ffn_hidden),
+                          ("train.seq_len", cfg.train.seq_len)):
+            if size % tp:
+                _fail("parallelism.tp", tp, f"must divide {key}={size}; choose a divisor of it")
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    if cfg.train.global_batch_size % dp:
+        _fail("train.global_batch_size", cfg.train.global_batch_size,
+              f"must divide across the {dp} data-parallel ranks; use a multiple of {dp}")
+
     t = cfg.train
     for key in ("steps", "global_batch_size", "seq_len", "log_every"):
         if getattr(t, key) <= 0:
@@ -246,9 +314,11 @@ def validate(cfg: Any) -> None:
     if t.seq_len > m.max_seq_len:
         _fail("train.seq_len", t.seq_len, f"must be at most model.max_seq_len={m.max_seq_len}")
     if t.micro_batch_size is not None:
-        if t.micro_batch_size <= 0 or t.global_batch_size % t.micro_batch_size:
+        per_rank = t.global_batch_size // dp
+        if t.micro_batch_size <= 0 or per_rank % t.micro_batch_size:
             _fail("train.micro_batch_size", t.micro_batch_size,
-                  f"must be a positive divisor of the per-rank batch (train.global_batch_size={t.global_batch_size})")
+                  f"must be a positive divisor of the per-rank batch {per_rank} "
+                  f"(train.global_batch_size={t.global_batch_size} over {dp} data-parallel ranks)")
     if t.device not in ("auto", "cpu", "cuda"):
         _fail("train.device", t.device, "choose auto, cpu or cuda")
     if t.dtype not in ("auto", "float32", "bfloat16"):

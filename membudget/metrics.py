@@ -73,7 +73,9 @@ class ActivationCounter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._add(t)
-        return t
+        # detached: keeping a saved output itself would tie it to its own grad_fn in a reference cycle,
+        # freed only by the garbage collector
+        return t.detach()
 
     @contextlib.contextmanager
     def count(self) -> Iterator[None]:

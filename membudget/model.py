@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 @dataclass
@@ -133,11 +134,11 @@ class TransformerBlock(nn.Module):
 
     def init_weights(self) -> None:
         for lin in (self.attention.wq, self.attention.wk, self.attention.wv, self.feed_forward.w1):
-            nn.init.trunc_normal_(lin.weight, std=0.02)
+            init_(lin.weight, lambda w: nn.init.trunc_normal_(w, std=0.02))
         for lin in (self.attention.wo, self.feed_forward.w2, self.feed_forward.w3):
-            nn.init.trunc_normal_(lin.weight, std=self.init_std)
+            init_(lin.weight, lambda w: nn.init.trunc_normal_(w, std=self.init_std))
         for norm in (self.attention_norm, self.ffn_norm):
-            nn.init.ones_(norm.weight)
+            init_(norm.weight, nn.init.ones_)
 
 
 class Transformer(nn.Module):
@@ -164,15 +165,26 @@ class Transformer(nn.Module):
     def init_weights(self) -> None:
         """Initialise every weight (also after building on the meta device and `to_empty`)."""
         self.freqs_cis = rope_frequencies(self.args, self.args.max_seq_len, device=self.freqs_cis.device)
-        nn.init.normal_(self.tok_embeddings.weight)
-        # modules() reaches the blocks through AC and compile wrappers too
+        init_(self.tok_embeddings.weight, nn.init.normal_)
+        # modules() reaches the blocks through AC, compile and FSDP wrappers too
         for module in self.modules():
             if isinstance(module, TransformerBlock):
                 module.init_weights()
-        nn.init.ones_(self.norm.weight)
+        init_(self.norm.weight, nn.init.ones_)
         if not self.args.tie_embeddings:
             bound = 3 / math.sqrt(self.args.dim)
-            nn.init.trunc_normal_(self.output.weight, std=self.args.dim**-0.5, a=-bound, b=bound)
+            init_(self.output.weight, lambda w: nn.init.trunc_normal_(w, std=self.args.dim**-0.5, a=-bound, b=bound))
+
+
+def init_(param: torch.Tensor, init_fn) -> None:
+    """Initialise `param` as one whole tensor and keep this rank's part of it: a sharded (DTensor) parameter
+    gets exactly the values a single device would, so every parallelism starts from the same weights."""
+    if isinstance(param, DTensor):
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
+        init_fn(full)
+        param.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None))
+    else:
+        init_fn(param)
 
 
 def num_params(model: nn.Module) -> int:

@@ -1,27 +1,142 @@
-"""Where the model runs and how it is wrapped: the device, and per block AC then compile.
+"""Where the model runs and how it is split: distributed init (single, torchrun, SLURM), the device mesh,
+and per block TP -> AC -> compile -> FSDP.
 
-Order per block follows torchtitan: AC wraps the block first, so that compile sees the checkpoint (and
-its selective policy) and the partitioner can plan across it; each block is compiled on its own because
-blocks are identical and share one compiled graph.
+The order follows torchtitan: TP first so that AC and compile see the sharded block; AC wraps the block
+before compile so that compile sees the checkpoint (and its selective policy) and the partitioner can plan
+across it; FSDP last, around the compiled block, so that its all-gathers stay outside the graph. Blocks are
+compiled one by one because they are identical and share one compiled graph.
+
+One code path serves every data-parallel option: FSDP2's `fully_shard` over the 2-D mesh
+(dp_replicate, dp_shard) is HSDP; with dp_shard=1 it is DDP (replicated parameters, all-reduced gradients),
+with dp_replicate=1 it is FSDP.
 """
 
 from __future__ import annotations
 
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from membudget.ac import apply_ac
-from membudget.config import compile_enabled
+from membudget.config import UserError, compile_enabled, mesh_degrees
+
+log = logging.getLogger("membudget")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in the job, from torchrun's or SLURM's environment."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launch_from_env(env=os.environ) -> Launch:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; `srun` and submitit set SLURM_PROCID/NTASKS/LOCALID."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return Launch(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
+    return Launch()
+
+
+def _slurm_master(env) -> tuple[str, str]:
+    """The first host of the job and a port derived from the job id, the same on every task."""
+    import subprocess
+
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    host = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                          check=True).stdout.split()[0]
+    return host, str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+
+
+def init_distributed(device: torch.device, timeout_s: float = 600) -> Launch:
+    """Join the process group when launched with several processes; NCCL on CUDA, gloo on CPU."""
+    launch = launch_from_env()
+    if launch.world_size == 1 or dist.is_initialized():
+        return launch
+    if "MASTER_ADDR" not in os.environ:  # srun / submitit: torchrun's rendezvous variables are not there
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = _slurm_master(os.environ)
+    if device.type == "cuda":
+        torch.cuda.set_device(launch.local_rank)
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return launch
 
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        from membudget.config import UserError
-
-        raise UserError("train.device='cuda': no CUDA device is visible; use train.device=auto or cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("train.device='cuda': no CUDA device is visible; use train.device=auto or cpu")
+        return torch.device("cuda", launch_from_env().local_rank % torch.cuda.device_count())
     return torch.device(name)
+
+
+def build_mesh(p, launch: Launch, device: torch.device) -> Optional[DeviceMesh]:
+    if launch.world_size == 1:
+        return None
+    degrees = mesh_degrees(p, launch.world_size)
+    return init_device_mesh(device.type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
+
+
+def dp_coordinates(mesh: Optional[DeviceMesh]) -> tuple[int, int]:
+    """(rank, size) of this process among data-parallel ranks: TP peers read the same rows."""
+    if mesh is None:
+        return 0, 1
+    rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
+    return rep.get_local_rank() * shard.size() + shard.get_local_rank(), rep.size() * shard.size()
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP with sequence parallelism: the residual stream is sharded on the sequence,
+    attention and FFN are split column-wise then row-wise, norms run on sequence shards."""
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+    })
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
 
 
 def apply_compile(model: nn.Module, cfg) -> None:
@@ -31,9 +146,45 @@ def apply_compile(model: nn.Module, cfg) -> None:
         )
 
 
-def parallelize(model: nn.Module, cfg) -> nn.Module:
-    """Apply AC, then compile, to each block of `model.layers`, in place."""
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg, device: torch.device) -> None:
+    # bf16 compute with fp32 gradient reduction on GPU; CPU stays in fp32 like the single-process run
+    mp = MixedPrecisionPolicy()
+    if device.type == "cuda" and cfg.train.dtype != "float32":
+        p = cfg.parallelism
+        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, p.param_dtype), reduce_dtype=getattr(torch, p.reduce_dtype))
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+    # the root group (embedding, final norm, output) is used last in backward: no reshard after forward
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+
+
+def parallelize(model: nn.Module, cfg, mesh: Optional[DeviceMesh] = None,
+                device: torch.device = torch.device("cpu")) -> nn.Module:
+    """Apply TP, AC, compile and FSDP to `model` in place, per block of `model.layers`."""
+    if mesh is not None and mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"])
     apply_ac(model, cfg.ac)
     if compile_enabled(cfg):
         apply_compile(model, cfg)
+    if mesh is not None and mesh["dp_replicate"].size() * mesh["dp_shard"].size() > 1:
+        apply_fsdp(model, mesh["dp_replicate", "dp_shard"], cfg, device)
     return model
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip gradients to `max_norm` in total; the norm of sharded (DTensor) gradients is made whole."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+    return total
+
+
+def all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> list[float]:
+    """Floats reduced over all ranks (SUM or MAX) in one collective; unchanged in a single process."""
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()

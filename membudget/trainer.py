@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
 
 from membudget.ac import compiler_scope
 from membudget.config import UserError, compile_enabled, validate
@@ -29,20 +31,36 @@ from membudget.metrics import (
     peak_memory,
 )
 from membudget.model import ModelArgs, Transformer, num_params
-from membudget.parallel import parallelize, pick_device
+from membudget.parallel import (
+    Launch,
+    all_reduce,
+    build_mesh,
+    clip_grad_norm,
+    dp_coordinates,
+    init_distributed,
+    launch_from_env,
+    parallelize,
+    pick_device,
+)
 
 log = logging.getLogger("membudget")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class LossNotFinite(UserError):
     """The loss became NaN or inf: the run stops instead of training on garbage."""
 
 
-def build_model(cfg, device: torch.device) -> Transformer:
-    """Llama 3 built on the meta device, wrapped per block (AC, compile), then materialised and initialised."""
+def build_model(cfg, device: torch.device, mesh=None) -> Transformer:
+    """Llama 3 built on the meta device, parallelised per block (TP, AC, compile, FSDP), then materialised
+    and initialised: nothing is allocated at full size before it is sharded."""
     with torch.device("meta"):
         model = Transformer(ModelArgs.from_config(cfg.model))
-    parallelize(model, cfg)
+    parallelize(model, cfg, mesh, device)
     model.to_empty(device=device)
     model.init_weights()
     return model
@@ -124,59 +142,71 @@ class Progress:
 
 def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, Any]:
     """Train per `cfg`, writing metrics.jsonl and summary.json into `run_dir`; returns the summary."""
-    validate(cfg)
+    validate(cfg, launch_from_env().world_size)
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     device = pick_device(cfg.train.device)
     tokenizer = build_tokenizer(cfg.tokenizer)
     vocab_size_check(tokenizer, cfg.model.vocab_size)
-    batches = TokenBatches(cfg.data, tokenizer, cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.seed)
+    launch = init_distributed(device, cfg.parallelism.timeout_s)
+    mesh = build_mesh(cfg.parallelism, launch, device)
+    dp_rank, dp_size = dp_coordinates(mesh)
+    batches = TokenBatches(cfg.data, tokenizer, cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.seed,
+                           dp_rank=dp_rank, dp_size=dp_size)
 
-    wandb_run = init_wandb(cfg, run_dir, wandb_group)
+    # only rank 0 writes run artefacts; every rank logs to its own stream
+    wandb_run = init_wandb(cfg, run_dir, wandb_group) if launch.is_main else None
     summary: dict[str, Any] = {"status": "failed"}
     try:
         with compiler_scope(cfg.ac, run_dir):
-            summary = _train_loop(cfg, run_dir, device, batches, wandb_run)
+            summary = _train_loop(cfg, run_dir, device, launch, mesh, batches, wandb_run)
     except BaseException as e:
         summary["error"] = f"{type(e).__name__}: {e}"
         raise
     finally:
-        summary.update(_summary_header(cfg, wandb_run))
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if launch.is_main:
+            summary.update(_summary_header(cfg, launch, wandb_run))
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if wandb_run is not None:
             wandb_run.summary.update({k: v for k, v in summary.items() if k not in ("config", "wandb")})
             wandb_run.finish(exit_code=0 if summary["status"] == "completed" else 1)
     return summary
 
 
-def _summary_header(cfg, wandb_run) -> dict[str, Any]:
+def _summary_header(cfg, launch: Launch, wandb_run) -> dict[str, Any]:
     return {
+        "world_size": launch.world_size,
         "ac_mode": cfg.ac.mode,
         "memory_budget": float(cfg.ac.memory_budget) if cfg.ac.mode == "memory_budget" else None,
         "selective_option": str(cfg.ac.selective_option) if cfg.ac.mode == "selective" else None,
         "compile": compile_enabled(cfg),
         "wandb": None if wandb_run is None else {
-            "project": wandb_run.project, "group": wandb_run.group, "id": wandb_run.id, "dir": wandb_run.dir,
+            "project": wandb_run.project, "entity": wandb_run.entity, "group": wandb_run.group, "id": wandb_run.id,
+            "dir": wandb_run.dir,
         },
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
 
 
-def _train_loop(cfg, run_dir: Path, device: torch.device, batches: TokenBatches, wandb_run) -> dict[str, Any]:
+def _train_loop(cfg, run_dir: Path, device: torch.device, launch: Launch, mesh, batches: TokenBatches,
+                wandb_run) -> dict[str, Any]:
     t = cfg.train
     torch.manual_seed(t.seed)
-    model = build_model(cfg, device)
+    model = build_model(cfg, device, mesh)
     n_params = num_params(model)
-    log.info("model %s: %s parameters, ac=%s, compile=%s on %s", cfg.model.name, f"{n_params:,}", cfg.ac.mode,
-             cfg.compile.backend if compile_enabled(cfg) else "off", device)
+    local_param_bytes = sum(_local(p).nbytes for p in model.parameters())
+    log.info("model %s: %s parameters (%.1f MiB on this rank), ac=%s, compile=%s, parallelism=%s on %s, rank %d/%d",
+             cfg.model.name, f"{n_params:,}", local_param_bytes / 2**20, cfg.ac.mode,
+             cfg.compile.backend if compile_enabled(cfg) else "off", cfg.parallelism.name, device, launch.rank,
+             launch.world_size)
     optimizer, scheduler = build_optimizer(model, cfg)
     counter = ActivationCounter(model)
-    writer = MetricsWriter(run_dir, wandb_run)
+    writer = MetricsWriter(run_dir, wandb_run) if launch.is_main else None
 
     use_bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    micro = t.micro_batch_size or t.global_batch_size
-    n_micro = t.global_batch_size // micro
+    local_batch = t.global_batch_size // dp_coordinates(mesh)[1]
+    micro = t.micro_batch_size or local_batch
+    n_micro = local_batch // micro
     tokens_per_step = t.global_batch_size * t.seq_len
     args = model.args
     flops_tok = flops_per_token(n_params, args.n_layers, args.n_heads, args.head_dim, t.seq_len)
@@ -185,7 +215,7 @@ def _train_loop(cfg, run_dir: Path, device: torch.device, batches: TokenBatches,
         torch.cuda.reset_peak_memory_stats(device)
 
     rows: list[dict[str, Any]] = []
-    progress = Progress(t.progress, t.steps)
+    progress = Progress(t.progress if launch.is_main else "lines", t.steps)
     try:
         for step in range(1, t.steps + 1):
             start = time.perf_counter()
@@ -198,12 +228,14 @@ def _train_loop(cfg, run_dir: Path, device: torch.device, batches: TokenBatches,
                 loss, nbytes = forward_backward(model, x, y, counter, autocast, scale=1 / n_micro)
                 activation_bytes = max(activation_bytes, nbytes)
                 loss_sum += loss
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+            grad_norm = clip_grad_norm(model, t.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            loss_value = (loss_sum / n_micro).item()  # syncs the device, so the timing below is complete
+            # the mean over data-parallel ranks (TP peers hold equal losses); syncs, so the timing is complete
+            (loss_value,) = all_reduce([(loss_sum / n_micro).item()], dist.ReduceOp.SUM, device)
+            loss_value /= launch.world_size
             step_time = time.perf_counter() - start
             if not math.isfinite(loss_value):
                 raise LossNotFinite(
@@ -213,6 +245,11 @@ def _train_loop(cfg, run_dir: Path, device: torch.device, batches: TokenBatches,
             progress.advance(1)
             if step % t.log_every and step != t.steps:
                 continue
+            # memory is per rank: report the largest rank's, and its slowest step
+            memory = peak_memory(device)
+            maxima = all_reduce([step_time, activation_bytes, *memory.values()], dist.ReduceOp.MAX, device)
+            step_time, activation_bytes = maxima[0], int(maxima[1])
+            memory = dict(zip(memory, map(int, maxima[2:])))
             tokens_per_s = tokens_per_step / step_time
             row = {
                 "step": step,
@@ -220,13 +257,15 @@ def _train_loop(cfg, run_dir: Path, device: torch.device, batches: TokenBatches,
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
                 "tokens_per_s": tokens_per_s,
+                "tokens_per_s_per_device": tokens_per_s / launch.world_size,
                 "step_time_s": step_time,
                 "activation_bytes": activation_bytes,
-                **peak_memory(device),
-                "mfu": tokens_per_s * flops_tok / peak_flops if peak_flops else None,
+                **memory,
+                "mfu": tokens_per_s / launch.world_size * flops_tok / peak_flops if peak_flops else None,
             }
             rows.append(row)
-            writer.write(row)
+            if writer is not None:
+                writer.write(row)
             progress.update(row)
     finally:
         progress.close()
@@ -237,6 +276,7 @@ def _train_loop(cfg, run_dir: Path, device: torch.device, batches: TokenBatches,
     summary = {
         "status": "completed",
         "num_params": n_params,
+        "param_bytes_per_rank": local_param_bytes,
         "steps": t.steps,
         "final_loss": rows[-1]["loss"],
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),

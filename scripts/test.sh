@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: install, start the local SLURM cluster (root, Debian), run
+# pytest, stop the cluster. Extra arguments go to pytest (e.g. -k ac, -m "not slurm").
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+python3 -m pip install -q -e '.[dev]' </dev/null
+bash scripts/slurm/start.sh
+trap 'bash scripts/slurm/stop.sh' EXIT
+python3 -m pytest "$@"
