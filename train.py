@@ -29,6 +29,9 @@ def main(cfg: DictConfig) -> float:
     try:
         summary = train(cfg, Path(hc.runtime.output_dir), wandb_group=group)
     except UserError as e:
+        if hc.mode == RunMode.MULTIRUN:
+            # the sweep's launcher reports the failed job (SLURM: back in the submitting process): name it
+            raise UserError(f"job {hc.job.num} [{' '.join(hc.overrides.task)}]: {e}") from None
         log.error("error: %s", e)
         sys.exit(2)
     return summary["final_loss"]

@@ -120,6 +120,9 @@ def compiler_scope(ac_cfg, run_dir: Optional[Path] = None) -> Iterator[None]:
             activation_memory_budget_solver=ac_cfg.solver,
             activation_memory_budget_runtime_estimator=ac_cfg.runtime_estimator,
             visualize_memory_budget_pareto=bool(ac_cfg.visualize_pareto),
+            # Under TP the compiled block takes the process group (a ScriptObject) as an input; it holds no
+            # activation memory, so zero is its true size for the knapsack.
+            unsafe_treat_script_objects_as_zero_size=True,
         )
         if ac_cfg.visualize_pareto and run_dir is not None:
             settings["memory_budget_pareto_dir"] = str(Path(run_dir) / "memory_budget_pareto")

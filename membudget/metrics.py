@@ -72,7 +72,9 @@ class ActivationCounter:
             cls._active._caches.append(cache)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._add(t)
+        # FSDP's unsharded parameters exist only during forward/backward: seen as a Parameter or a view of one
+        if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
+            self._add(t)
         # detached: keeping a saved output itself would tie it to its own grad_fn in a reference cycle,
         # freed only by the garbage collector
         return t.detach()

@@ -6,4 +6,4 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python3 -m pip install -q -e '.[dev]' </dev/null
 bash scripts/slurm/start.sh
 trap 'bash scripts/slurm/stop.sh' EXIT
-python3 -m pytest "$@"
+MEMBUDGET_REQUIRE_SLURM=1 python3 -m pytest "$@"
