@@ -63,8 +63,10 @@ class ACConfig:
     selective_option: str = "op"
     # module names (suffix match, e.g. "feed_forward.w2") whose matmuls are always recomputed
     force_recompute_modules: list[str] = field(default_factory=list)
-    # memory_budget: fraction of activations the partitioner may save, in [0, 1]
+    # memory_budget: fraction of activations the partitioner may save, in [0, 1]; "auto": the budget with the
+    # least recompute whose planned peak fits (membudget.plan); "sweep": planner only, budgets 0.0..1.0
     memory_budget: Any = 0.5
+    target_memory_gib: Optional[float] = None  # "auto" fits this per rank; None: device memory - plan.margin_gib
     solver: str = "dp"  # dp | greedy | ilp (ilp needs scipy)
     runtime_estimator: str = "flops"  # flops | profile
     visualize_pareto: bool = False  # SVGs into <run dir>/memory_budget_pareto/ (needs matplotlib)
@@ -143,6 +145,15 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    every_steps: int = 50  # also at the end of the run and when SLURM signals a time limit or preemption
+    keep: int = 2  # the last K complete checkpoints are kept
+    # auto: continue from the latest complete checkpoint in the run dir, if any | never | a checkpoint path
+    resume: str = "auto"
+
+
+@dataclass
 class LoggerConfig:
     name: str = "none"  # wandb | none
     project: str = "membudget"
@@ -151,6 +162,15 @@ class LoggerConfig:
     tags: list[str] = field(default_factory=list)
     run_name: Optional[str] = None  # None: built from the AC mode and budget
     mode: Optional[str] = None  # None: WANDB_MODE from the environment, else offline
+
+
+@dataclass
+class PlanConfig:
+    """What `python -m membudget.plan` plans for beyond the run's own settings."""
+    world_size: Optional[int] = None  # ranks; None: the product of the parallelism degrees
+    gpu: str = "auto"  # H100 | H200 | A100-80GB | A100-40GB | auto (the visible GPU, else H100)
+    device_gib: Optional[float] = None  # device memory per rank, GiB; overrides gpu
+    margin_gib: float = 4.0  # kept free for the CUDA context, NCCL buffers and allocator fragmentation
 
 
 @dataclass
@@ -164,7 +184,9 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def launch_rank() -> int:
@@ -244,6 +266,25 @@ def mesh_degrees(p: Any, world_size: int) -> dict[str, int]:
 
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Check the rules that span fields; raise UserError naming the key, the bad value and the fix."""
+    import dataclasses
+
+    from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
+
+    try:  # a value left at ??? (model=model_schema) or an interpolation that does not resolve (${nope})
+        if hasattr(cfg, "keys"):
+            OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except (MissingMandatoryValue, InterpolationResolutionError) as e:
+        value: Any = OmegaConf.to_container(cfg, resolve=False)
+        for part in e.full_key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        _fail(e.full_key, value, f"{str(e).splitlines()[0]}; set a value, e.g. {e.full_key}=<value>")
+    # `+section.key=value` appends a key the schema lacks, which nothing would read: name it, don't ignore it
+    schema = {f.name: {g.name for g in dataclasses.fields(f.default_factory)} for f in dataclasses.fields(RunConfig)}
+    for section in cfg if hasattr(cfg, "keys") else ():
+        known = schema.get(section)
+        extra = [section] if known is None else [f"{section}.{k}" for k in cfg[section] if k not in known]
+        if extra:
+            _fail(extra[0], OmegaConf.select(cfg, extra[0]), "not a config key, so nothing reads it: check its spelling")
     ac = cfg.ac
     if ac.mode not in AC_MODES:
         _fail("ac.mode", ac.mode, f"choose one of {', '.join(AC_MODES)}")
@@ -256,9 +297,15 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                   "use 'op' for the per-op policy or a positive integer N to fully checkpoint every N-th block")
     if ac.mode == "memory_budget":
         budget = ac.memory_budget
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or math.isnan(budget):
-            _fail("ac.memory_budget", budget, "set a number in [0, 1], e.g. ac.memory_budget=0.5")
-        if not 0.0 <= float(budget) <= 1.0:
+        if budget == "sweep":
+            _fail("ac.memory_budget", budget, "a sweep is planned, not trained: python -m membudget.plan "
+                  "ac=memory_budget ac.memory_budget=sweep; train with a number or auto")
+        if budget == "auto":
+            if ac.target_memory_gib is not None and not ac.target_memory_gib > 0:
+                _fail("ac.target_memory_gib", ac.target_memory_gib, "set a positive number of GiB per rank")
+        elif isinstance(budget, bool) or not isinstance(budget, (int, float)) or math.isnan(budget):
+            _fail("ac.memory_budget", budget, "set a number in [0, 1] or auto, e.g. ac.memory_budget=0.5")
+        elif not 0.0 <= float(budget) <= 1.0:
             _fail("ac.memory_budget", budget,
                   "set a number in [0, 1]: 0.0 recomputes the whole compiled region, 1.0 is the default plan")
         if cfg.compile.enabled is False:
@@ -286,11 +333,19 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         _fail("ac.determinism_check", ac.determinism_check, "choose default or none")
 
     m = cfg.model
+    for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
+        if getattr(m, key) <= 0:
+            _fail(f"model.{key}", getattr(m, key), "must be a positive integer")
+    if m.n_kv_heads is not None and m.n_kv_heads <= 0:
+        _fail("model.n_kv_heads", m.n_kv_heads, "must be a positive integer, or null for model.n_heads")
     if m.dim % m.n_heads:
         _fail("model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}")
     n_kv = m.n_kv_heads or m.n_heads
     if m.n_heads % n_kv:
         _fail("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}")
+    if (m.dim // m.n_heads) % 2:
+        _fail("model.dim", m.dim, f"the head size model.dim / model.n_heads = {m.dim // m.n_heads} must be even "
+              "(RoPE rotates pairs of features)")
 
     degrees = mesh_degrees(cfg.parallelism, world_size)
     tp = degrees["tp"]
@@ -331,8 +386,35 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         _fail("train.dtype", t.dtype, "choose auto, float32 or bfloat16")
     if t.progress not in ("auto", "bar", "lines", "off"):
         _fail("train.progress", t.progress, "choose auto, bar, lines or off")
-    if cfg.optimizer.lr <= 0:
-        _fail("optimizer.lr", cfg.optimizer.lr, "must be positive")
+    if not t.max_grad_norm > 0:
+        _fail("train.max_grad_norm", t.max_grad_norm, "must be a positive number (inf: no clipping)")
+    if t.seed < 0:
+        _fail("train.seed", t.seed, "must be a non-negative integer")
+    if t.peak_flops is not None and not 0 < t.peak_flops < math.inf:
+        _fail("train.peak_flops", t.peak_flops, "must be a positive number of FLOP/s per device, or null")
+    o = cfg.optimizer
+    if o.name != "adamw":
+        _fail("optimizer.name", o.name, "only adamw is implemented")
+    if not 0 < o.lr < math.inf:
+        _fail("optimizer.lr", o.lr, "must be a positive number")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            _fail(f"optimizer.{key}", getattr(o, key), "must be in [0, 1)")
+    if not 0 < o.eps < math.inf:
+        _fail("optimizer.eps", o.eps, "must be a positive number")
+    if not 0 <= o.weight_decay < math.inf:
+        _fail("optimizer.weight_decay", o.weight_decay, "must be a non-negative number")
+    if cfg.lr_schedule.warmup_steps < 0:
+        _fail("lr_schedule.warmup_steps", cfg.lr_schedule.warmup_steps, "must be a non-negative integer")
+    if not 0 <= cfg.lr_schedule.min_lr_ratio <= 1:
+        _fail("lr_schedule.min_lr_ratio", cfg.lr_schedule.min_lr_ratio, "must be in [0, 1]: a fraction of the peak LR")
+    if cfg.parallelism.timeout_s <= 0:
+        _fail("parallelism.timeout_s", cfg.parallelism.timeout_s, "must be a positive number of seconds")
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(cfg.parallelism, key) not in ("float32", "bfloat16", "float16"):
+            _fail(f"parallelism.{key}", getattr(cfg.parallelism, key), "choose float32, bfloat16 or float16")
+    if cfg.logger.mode not in (None, "online", "offline", "disabled", "shared", "dryrun", "run"):
+        _fail("logger.mode", cfg.logger.mode, "choose online, offline or disabled (or null: WANDB_MODE, else offline)")
     if cfg.lr_schedule.decay not in ("cosine", "linear", "constant"):
         _fail("lr_schedule.decay", cfg.lr_schedule.decay, "choose cosine, linear or constant")
     if cfg.logger.name not in ("wandb", "none"):

@@ -17,7 +17,7 @@ import json
 import os
 import re
 from collections.abc import Iterator, Sequence
-from itertools import islice
+from itertools import chain, islice
 from unittest import mock
 
 import numpy as np
@@ -151,7 +151,10 @@ def iter_documents(cfg: DataConfig, start: int = 0) -> Iterator[str]:
         files = _resolve_files(cfg.path, ".txt")
         return (_read_text(f) for f in files[start:])
     if cfg.name == "jsonl":
-        return islice(_jsonl_documents(_resolve_files(cfg.path, ".jsonl"), cfg.text_field), start, None)
+        docs = islice(_jsonl_documents(_resolve_files(cfg.path, ".jsonl"), cfg.text_field), start, None)
+        # read the first document now: bad JSON or no text_field there fails before the run starts
+        first = next(docs, None)
+        return docs if first is None else chain([first], docs)
     if cfg.name == "hf":
         return _hf_documents(cfg, start)
     raise UserError(f"data.name={cfg.name!r}: has no documents; choose data=pydoc, text, jsonl, c4 or fineweb_edu")

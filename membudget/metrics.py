@@ -159,7 +159,7 @@ class MetricsWriter:
             self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
 
-def init_wandb(cfg, run_dir: Path, group: Optional[str]):
+def init_wandb(cfg, run_dir: Path, group: Optional[str], resume_id: Optional[str] = None):
     """An offline W&B run unless the user configured online; None with logger=none."""
     if cfg.logger.name != "wandb":
         return None
@@ -184,6 +184,8 @@ def init_wandb(cfg, run_dir: Path, group: Optional[str]):
         config=OmegaConf.to_container(cfg, resolve=True),
         dir=str(run_dir),
         mode=cfg.logger.mode or os.environ.get("WANDB_MODE", "offline"),
+        id=resume_id,
+        resume="allow" if resume_id else None,
     )
 
 

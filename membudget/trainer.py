@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import signal
+import threading
 import statistics
 import sys
 import time
@@ -19,6 +22,7 @@ from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from membudget.ac import compiler_scope
+from membudget.checkpoint import Checkpointer, read_train_state
 from membudget.config import UserError, compile_enabled, validate
 from membudget.data import TokenBatches, build_tokenizer, vocab_size_check
 from membudget.metrics import (
@@ -49,6 +53,37 @@ log = logging.getLogger("membudget")
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a (possibly sharded) tensor."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Preempted(Exception):
+    """SLURM asked the job to stop (time limit near, or preemption); a checkpoint of `step` was saved."""
+
+
+class StopSignal:
+    """SLURM's warning signal (USR2, which the launcher presets ask for before the time limit and which
+    submitit also uses for preemption), noted at once and acted on at the next step boundary, where all
+    ranks agree to save a checkpoint; then submitit's own handler requeues the job."""
+
+    def __init__(self, signum: int = signal.SIGUSR2):
+        self.signum = signum
+        self.received = False
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signum, self._note)
+
+    def _note(self, signum, frame) -> None:
+        log.warning("received %s: saving a checkpoint at the end of this step", signal.Signals(signum).name)
+        self.received = True
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(self.signum, self.previous)
+
+    def hand_over(self) -> None:
+        """Let the handler that was there before ours (submitit's: requeue, then exit) do its part."""
+        self.restore()
+        if callable(self.previous):
+            self.previous(self.signum, None)
 
 
 class LossNotFinite(UserError):
@@ -144,6 +179,9 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
     """Train per `cfg`, writing metrics.jsonl and summary.json into `run_dir`; returns the summary."""
     validate(cfg, launch_from_env().world_size)
     run_dir = Path(run_dir)
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint)
+    checkpointer.check_writable()
+    resume = checkpointer.resume_path()
     device = pick_device(cfg.train.device)
     tokenizer = build_tokenizer(cfg.tokenizer)
     vocab_size_check(tokenizer, cfg.model.vocab_size)
@@ -154,11 +192,16 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
                            dp_rank=dp_rank, dp_size=dp_size)
 
     # only rank 0 writes run artefacts; every rank logs to its own stream
-    wandb_run = init_wandb(cfg, run_dir, wandb_group) if launch.is_main else None
+    wandb_id = read_train_state(resume)[1].get("wandb_id") if resume else None
+    wandb_run = init_wandb(cfg, run_dir, wandb_group, resume_id=wandb_id) if launch.is_main else None
     summary: dict[str, Any] = {"status": "failed"}
+    stop = StopSignal()
     try:
         with compiler_scope(cfg.ac, run_dir):
-            summary = _train_loop(cfg, run_dir, device, launch, mesh, batches, wandb_run)
+            summary = _train_loop(cfg, run_dir, device, launch, mesh, batches, wandb_run, checkpointer, resume,
+                                  stop)
+    except Preempted as e:
+        summary = {"status": "preempted", "error": str(e)}
     except BaseException as e:
         summary["error"] = f"{type(e).__name__}: {e}"
         raise
@@ -168,8 +211,22 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if wandb_run is not None:
             wandb_run.summary.update({k: v for k, v in summary.items() if k not in ("config", "wandb")})
-            wandb_run.finish(exit_code=0 if summary["status"] == "completed" else 1)
+            wandb_run.finish(exit_code=0 if summary["status"] in ("completed", "preempted") else 1)
+        stop.restore()
+    if summary["status"] == "preempted":
+        stop.hand_over()  # submitit requeues the job (rank 0) and exits; the requeued job resumes
+        raise SystemExit(0)
     return summary
+
+
+def _kept_metrics(run_dir: Path, n: int, is_main: bool) -> list[dict[str, Any]]:
+    """The first n metrics rows, those up to the checkpoint; rank 0 drops the rest, as those steps run again."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)[:n] if path.exists() else []
+    if is_main:
+        path.with_suffix(".tmp").write_text("".join(lines))
+        os.replace(path.with_suffix(".tmp"), path)
+    return [json.loads(line) for line in lines]
 
 
 def _summary_header(cfg, launch: Launch, wandb_run) -> dict[str, Any]:
@@ -188,16 +245,16 @@ def _summary_header(cfg, launch: Launch, wandb_run) -> dict[str, Any]:
 
 
 def _train_loop(cfg, run_dir: Path, device: torch.device, launch: Launch, mesh, batches: TokenBatches,
-                wandb_run) -> dict[str, Any]:
+                wandb_run, checkpointer: Checkpointer, resume: Optional[Path], stop: StopSignal) -> dict[str, Any]:
     t = cfg.train
     torch.manual_seed(t.seed)
     model = build_model(cfg, device, mesh)
     n_params = num_params(model)
     local_param_bytes = sum(_local(p).nbytes for p in model.parameters())
-    log.info("model %s: %s parameters (%.1f MiB on this rank), ac=%s, compile=%s, parallelism=%s on %s, rank %d/%d",
+    log.info("model %s: %s parameters (%.1f MiB on this rank), ac=%s, compile=%s, parallelism=%s on %s, rank %d/%d pid %d",
              cfg.model.name, f"{n_params:,}", local_param_bytes / 2**20, cfg.ac.mode,
              cfg.compile.backend if compile_enabled(cfg) else "off", cfg.parallelism.name, device, launch.rank,
-             launch.world_size)
+             launch.world_size, os.getpid())
     optimizer, scheduler = build_optimizer(model, cfg)
     counter = ActivationCounter(model)
     writer = MetricsWriter(run_dir, wandb_run) if launch.is_main else None
@@ -215,9 +272,15 @@ def _train_loop(cfg, run_dir: Path, device: torch.device, launch: Launch, mesh, 
         torch.cuda.reset_peak_memory_stats(device)
 
     rows: list[dict[str, Any]] = []
+    done = 0  # steps already trained, by the run this one resumes
+    if resume is not None:
+        done, extra = checkpointer.load(resume, model, optimizer, scheduler)
+        batches.load_state_dict(extra["data"])
+        rows = _kept_metrics(run_dir, extra["metrics_rows"], launch.is_main)
     progress = Progress(t.progress if launch.is_main else "lines", t.steps)
+    progress.advance(done)
     try:
-        for step in range(1, t.steps + 1):
+        for step in range(done + 1, t.steps + 1):
             start = time.perf_counter()
             inputs, labels = next(batches)
             inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
@@ -243,30 +306,38 @@ def _train_loop(cfg, run_dir: Path, device: torch.device, launch: Launch, mesh, 
                     f"(now {cfg.optimizer.lr}) or train.max_grad_norm, or check the data"
                 )
             progress.advance(1)
-            if step % t.log_every and step != t.steps:
-                continue
-            # memory is per rank: report the largest rank's, and its slowest step
-            memory = peak_memory(device)
-            maxima = all_reduce([step_time, activation_bytes, *memory.values()], dist.ReduceOp.MAX, device)
-            step_time, activation_bytes = maxima[0], int(maxima[1])
-            memory = dict(zip(memory, map(int, maxima[2:])))
-            tokens_per_s = tokens_per_step / step_time
-            row = {
-                "step": step,
-                "loss": loss_value,
-                "lr": lr,
-                "grad_norm": grad_norm.item(),
-                "tokens_per_s": tokens_per_s,
-                "tokens_per_s_per_device": tokens_per_s / launch.world_size,
-                "step_time_s": step_time,
-                "activation_bytes": activation_bytes,
-                **memory,
-                "mfu": tokens_per_s / launch.world_size * flops_tok / peak_flops if peak_flops else None,
-            }
-            rows.append(row)
-            if writer is not None:
-                writer.write(row)
-            progress.update(row)
+            if step % t.log_every == 0 or step == t.steps:
+                # memory is per rank: report the largest rank's, and its slowest step
+                memory = peak_memory(device)
+                maxima = all_reduce([step_time, activation_bytes, *memory.values()], dist.ReduceOp.MAX, device)
+                step_time, activation_bytes = maxima[0], int(maxima[1])
+                memory = dict(zip(memory, map(int, maxima[2:])))
+                tokens_per_s = tokens_per_step / step_time
+                row = {
+                    "step": step,
+                    "loss": loss_value,
+                    "lr": lr,
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_s": tokens_per_s,
+                    "tokens_per_s_per_device": tokens_per_s / launch.world_size,
+                    "step_time_s": step_time,
+                    "activation_bytes": activation_bytes,
+                    **memory,
+                    "mfu": tokens_per_s / launch.world_size * flops_tok / peak_flops if peak_flops else None,
+                }
+                rows.append(row)
+                if writer is not None:
+                    writer.write(row)
+                progress.update(row)
+            # every rank must take part in a save: a signal seen by any rank stops all
+            stop_now = all_reduce([float(stop.received)], dist.ReduceOp.MAX, device)[0] > 0
+            if cfg.checkpoint.enabled and (stop_now or checkpointer.due(step, t.steps)):
+                extra = {"data": batches.state_dict(), "metrics_rows": len(rows),
+                         "wandb_id": wandb_run.id if wandb_run is not None else None}
+                checkpointer.save(step, model, optimizer, scheduler, extra)
+            if stop_now:
+                raise Preempted(f"stopped by a SLURM signal after step {step}"
+                                + (", checkpoint saved" if cfg.checkpoint.enabled else ", checkpointing is off"))
     finally:
         progress.close()
 

@@ -1,0 +1,93 @@
+"""A small training run for the checkpoint tests, built like the trainer builds it.
+
+Run under torchrun (`-m tests.checkpoint_driver OUT_DIR parallelism=fsdp`) it trains, saves, trains on, then
+resumes a fresh model from the checkpoint and writes both loss curves to OUT_DIR/losses_rank<R>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from membudget.checkpoint import Checkpointer
+from membudget.data import TokenBatches, build_tokenizer
+from membudget.metrics import ActivationCounter
+from membudget.parallel import build_mesh, clip_grad_norm, dp_coordinates, init_distributed
+from membudget.trainer import build_model, build_optimizer, forward_backward
+from tests.conftest import compose_cfg
+
+# fp32 on CPU, no dropout: a resumed run must reproduce the uninterrupted one bit for bit
+SMALL = ("logger=none", "data=synthetic", "train.seq_len=32", "train.global_batch_size=4", "train.steps=6",
+         "lr_schedule.warmup_steps=2")
+
+
+@dataclass
+class Run:
+    """Model, optimizer, scheduler and data of one training run, and the trainer's step."""
+
+    cfg: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    batches: TokenBatches
+    counter: ActivationCounter
+
+    @classmethod
+    def build(cls, cfg, mesh=None) -> Run:
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg, torch.device("cpu"), mesh)
+        optimizer, scheduler = build_optimizer(model, cfg)
+        dp_rank, dp_size = dp_coordinates(mesh)
+        batches = TokenBatches(cfg.data, build_tokenizer(cfg.tokenizer), cfg.train.global_batch_size,
+                               cfg.train.seq_len, cfg.train.seed, dp_rank=dp_rank, dp_size=dp_size)
+        return cls(cfg, model, optimizer, scheduler, batches, ActivationCounter(model))
+
+    def train(self, steps: int) -> list[float]:
+        """`steps` optimizer steps as the trainer takes them; this rank's losses."""
+        losses = []
+        for _ in range(steps):
+            inputs, labels = next(self.batches)
+            loss, _ = forward_backward(self.model, inputs, labels, self.counter)
+            clip_grad_norm(self.model, self.cfg.train.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            losses.append(loss.item())
+        return losses
+
+    def save(self, checkpointer: Checkpointer, step: int) -> None:
+        checkpointer.save(step, self.model, self.optimizer, self.scheduler, {"data": self.batches.state_dict()})
+
+    def load(self, checkpointer: Checkpointer, path: Path) -> tuple[int, dict]:
+        step, extra = checkpointer.load(path, self.model, self.optimizer, self.scheduler)
+        self.batches.load_state_dict(extra["data"])
+        return step, extra
+
+
+def main(out_dir: Path, *overrides: str) -> None:
+    cfg = compose_cfg(*SMALL, *overrides)
+    launch = init_distributed(torch.device("cpu"))
+    mesh = build_mesh(cfg.parallelism, launch, torch.device("cpu"))
+    checkpointer = Checkpointer(out_dir, cfg.checkpoint)
+    checkpointer.check_writable()
+
+    run = Run.build(cfg, mesh)
+    run.train(3)
+    run.save(checkpointer, 3)
+    uninterrupted = run.train(3)
+
+    resumed = Run.build(cfg, mesh)
+    step, _ = resumed.load(checkpointer, checkpointer.latest())
+    assert step == 3
+    losses = {"uninterrupted": uninterrupted, "resumed": resumed.train(3)}
+    (out_dir / f"losses_rank{launch.rank}.json").write_text(json.dumps(losses))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), *sys.argv[2:])
