@@ -153,11 +153,9 @@ class Result:
 
 def _bad_files(folder: Path) -> Path:
     (folder / "empty.txt").write_text("")
-    (folder / "emptydir").mkdir()
     (folder / "bad.jsonl").write_text('{"text": oops\n')
     (folder / "nofield.jsonl").write_text(json.dumps({"content": "x"}) + "\n")
     (folder / "blank.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
-    (folder / "garbage.model").write_text("this is not a tiktoken file\n")
     # a valid tiktoken BPE with the 256 bytes: 256 ranks + 256 specials = 512 ids, more than the debug model's 258
     (folder / "bytes.model").write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
     return folder

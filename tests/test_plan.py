@@ -65,7 +65,7 @@ def real_step(cfg):
     ["ac=none"],
     ["ac=full"],
     ["ac=selective"],
-    ["ac=selective", "ac.selective_option=2", "model.n_layers=7"],  # two kinds of block, period 2
+    ["ac=selective", "ac.selective_option=2", "model.n_layers=6"],  # two kinds of block: probe 4, scale to 6
     ["ac=memory_budget", "ac.memory_budget=0.0"],
     ["ac=memory_budget", "ac.memory_budget=0.5"],
     ["ac=memory_budget", "ac.memory_budget=1.0"],

@@ -214,3 +214,47 @@ def test_a_crashing_job_ends_the_sweep_with_an_error_naming_it(tmp_path):
     failure = [line for line in output.splitlines() if "UserError: job 1 [" in line]
     assert failure and "optimizer.lr=1e+20" in failure[-1] and "loss=nan" in failure[-1]
     assert (sweep / "0" / "summary.json").exists()  # the good job finished and kept its results
+
+
+def _squeue(fmt: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", fmt], capture_output=True, text=True, timeout=30).stdout
+    return out.split()
+
+
+def test_time_limit_signal_checkpoints_requeues_and_resumes(tmp_path):
+    """SLURM's warning signal mid-run (as before a time limit): the 2-task job saves a checkpoint, submitit
+    requeues it, and the requeued job resumes and ends with the uninterrupted run's loss curve."""
+    sweep = tmp_path / "sweep"
+    # two identical jobs (they differ only in a W&B tag): job 0 is signalled, job 1 is the reference
+    cmd = [sys.executable, *SWEEP, f"hydra.sweep.dir={sweep}", "train.steps=40", "train.seq_len=128",
+           "checkpoint.every_steps=1000", "logger.tags=[signalled],[reference]"]
+    with (tmp_path / "sweep.out").open("w") as out:
+        launcher = subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    metrics = sweep / "0" / "metrics.jsonl"
+    deadline = time.monotonic() + JOB_DEADLINE_S
+    while time.monotonic() < deadline and len(metrics.read_text().splitlines() if metrics.exists() else []) < 3:
+        time.sleep(0.2)
+    (job_id,) = [j for j in _squeue("%i") if j.endswith("_0")]
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+    # a requeued job waits for its begin time (about 2 minutes in Slurm 22.05); start it now instead
+    deadline = time.monotonic() + JOB_DEADLINE_S
+    while time.monotonic() < deadline and launcher.poll() is None:
+        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True,
+                               timeout=30).stdout
+        if "PENDING" in state and "BeginTime" in state:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=30)
+            break
+        time.sleep(0.5)
+    launcher.wait(timeout=3 * JOB_DEADLINE_S)
+    output = (tmp_path / "sweep.out").read_text()
+    assert launcher.returncode == 0, output[-3000:]
+
+    signalled, reference = sweep / "0", sweep / "1"
+    assert "resumed from" in (signalled / "train.log").read_text()
+    assert any("checkpoints/step_" in line and "resumed" in line
+               for line in (signalled / "train_rank1.log").read_text().splitlines())
+    rows = [json.loads(line) for line in (signalled / "metrics.jsonl").read_text().splitlines()]
+    ref = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert [r["loss"] for r in rows] == [r["loss"] for r in ref]
+    assert json.loads((signalled / "summary.json").read_text())["status"] == "completed"
