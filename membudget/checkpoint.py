@@ -113,10 +113,13 @@ class Checkpointer:
         """Fail before training, not at the first save, when checkpoints cannot be written."""
         if not self.cfg.enabled:
             return
+        existed = self.dir.exists()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=self.dir):
                 pass
+            if not existed:  # a run that fails on later input leaves nothing behind; save() makes it again
+                self.dir.rmdir()
         except OSError as e:
             raise UserError(f"checkpoint dir {str(self.dir)!r} is not writable ({e.strerror or e}): "
                             "choose a writable hydra.run.dir, or set checkpoint.enabled=false") from None

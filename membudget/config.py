@@ -189,13 +189,26 @@ class RunConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
 
-def launch_rank() -> int:
-    """This process's rank from torchrun's or SLURM's environment (0 when launched alone)."""
-    if "RANK" in os.environ:
-        return int(os.environ["RANK"])
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        return int(os.environ.get("SLURM_PROCID", "0"))
-    return 0
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in the job, from torchrun's or SLURM's environment."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launch_from_env(env=os.environ) -> Launch:
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; `srun` and submitit set SLURM_PROCID/NTASKS/LOCALID."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return Launch(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
+    return Launch()
 
 
 def launch_time(pattern: str) -> str:
@@ -213,7 +226,7 @@ def register_configs() -> None:
     """Register the schema so `conf/config.yaml` and each group option are validated against it, and the
     resolvers that keep the ranks of one job in one run dir with one log file each."""
     OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True, replace=True)
-    OmegaConf.register_new_resolver("rank_suffix", lambda: f"_rank{launch_rank()}" if launch_rank() else "",
+    OmegaConf.register_new_resolver("rank_suffix", lambda: f"_rank{launch_from_env().rank}" if launch_from_env().rank else "",
                                     replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)

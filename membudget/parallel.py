@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -34,31 +33,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from membudget.ac import apply_ac
-from membudget.config import UserError, compile_enabled, mesh_degrees
+from membudget.config import Launch, UserError, compile_enabled, launch_from_env, mesh_degrees
 
 log = logging.getLogger("membudget")
-
-
-@dataclass(frozen=True)
-class Launch:
-    """This process's place in the job, from torchrun's or SLURM's environment."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def launch_from_env(env=os.environ) -> Launch:
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; `srun` and submitit set SLURM_PROCID/NTASKS/LOCALID."""
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        return Launch(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
-    return Launch()
 
 
 def _slurm_master(env) -> tuple[str, str]:

@@ -178,6 +178,14 @@ class Progress:
 def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, Any]:
     """Train per `cfg`, writing metrics.jsonl and summary.json into `run_dir`; returns the summary."""
     validate(cfg, launch_from_env().world_size)
+    if cfg.ac.mode == "memory_budget" and cfg.ac.memory_budget == "auto":
+        # planned on fake tensors before the real process group exists; every rank gets the same answer
+        from membudget.plan import choose_budget
+
+        budget, plan = choose_budget(cfg, launch_from_env().world_size)
+        cfg.ac.memory_budget = budget
+        log.info("ac.memory_budget=auto -> %s: planned peak %.2f of %.2f GiB per rank, recompute %.0f%% of forward",
+                 budget, plan.peak / 2**30, plan.target / 2**30, 100 * plan.recompute_ratio)
     run_dir = Path(run_dir)
     checkpointer = Checkpointer(run_dir, cfg.checkpoint)
     checkpointer.check_writable()
@@ -190,6 +198,11 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
     dp_rank, dp_size = dp_coordinates(mesh)
     batches = TokenBatches(cfg.data, tokenizer, cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.seed,
                            dp_rank=dp_rank, dp_size=dp_size)
+
+    # read (and rewind) the first batch now: data with no text at all fails before any artefact is written
+    start = batches.state_dict()
+    next(batches)
+    batches.load_state_dict(start)
 
     # only rank 0 writes run artefacts; every rank logs to its own stream
     wandb_id = read_train_state(resume)[1].get("wandb_id") if resume else None

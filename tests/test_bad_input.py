@@ -12,7 +12,6 @@ validation runs before any rendezvous, so no second process is needed). Every ca
 
 The cases run as subprocesses in a small thread pool (each start costs seconds of CPU); one test collects every
 failure and reports them together. The number of cases tried is printed in pytest's terminal summary.
-Cases marked `bug=` are known not to fail cleanly yet: they run as strict xfails, so fixing one shows up.
 """
 
 from __future__ import annotations
@@ -50,18 +49,17 @@ class Case:
     overrides: tuple[str, ...]
     stage: str  # "hydra": composition error, exit 1 | "run": UserError from train.py, exit 2
     env: tuple[tuple[str, str], ...] = ()
-    bug: Optional[str] = None  # known not to fail cleanly yet: run as a strict xfail
 
 
 def hydra(id: str, key: str, *overrides: str) -> Case:
     return Case(id, key, overrides, "hydra")
 
 
-def run(id: str, key: str, *overrides: str, world: Optional[int] = None, rank: int = 0, bug: Optional[str] = None,
+def run(id: str, key: str, *overrides: str, world: Optional[int] = None, rank: int = 0,
         **env: str) -> Case:
     if world is not None:
         env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)}
-    return Case(id, key, overrides, "run", tuple(sorted(env.items())), bug)
+    return Case(id, key, overrides, "run", tuple(sorted(env.items())))
 
 
 MB = "ac=memory_budget"
@@ -133,9 +131,7 @@ CASES = [
     run("jsonl-missing-file", "data.path", "data=jsonl", "data.path={tmp}/missing.jsonl"),
     run("jsonl-bad-json", "data.path", "data=jsonl", "data.path={tmp}/bad.jsonl"),
     run("jsonl-wrong-field", "data.text_field", "data=jsonl", "data.path={tmp}/nofield.jsonl"),
-    run("jsonl-no-text", "data.path", "data=jsonl", "data.path={tmp}/blank.jsonl",
-        bug="a corpus whose documents are all empty is found out by the first batch, after the W&B run and "
-            "summary.json exist; fix: trainer.train takes one batch before init_wandb"),
+    run("jsonl-no-text", "data.path", "data=jsonl", "data.path={tmp}/blank.jsonl"),
     run("tokenizer-without-path", "tokenizer.path", "tokenizer=llama3"),
     run("tokenizer-missing-file", "tokenizer.path", "tokenizer=llama3", "tokenizer.path=/nonexistent/tokenizer.model"),
     run("tokenizer-beyond-vocab", "model.vocab_size", "tokenizer=llama3", "tokenizer.path={tmp}/bytes.model"),
@@ -258,18 +254,8 @@ def test_case_table_is_well_formed():
 def test_bad_input_fails_fast_in_one_line_without_leftovers(results):
     failures = []
     for case in CASES:
-        if case.bug is None:
-            found = problems(case, results[case.id])
-            if found:
-                failures.append(_report(case, results[case.id], found))
+        found = problems(case, results[case.id])
+        if found:
+            failures.append(_report(case, results[case.id], found))
     assert not failures, f"{len(failures)} of {len(CASES)} bad inputs were not rejected cleanly:\n" + "\n".join(
         failures)
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=pytest.mark.xfail(strict=True, reason=c.bug))
-                                  for c in CASES if c.bug])
-def test_known_bug_still_fails_uncleanly(case, results):
-    """Strict xfail: when one of these starts to pass, drop its `bug=` so it joins the cases that must pass."""
-    r = results[case.id]
-    found = problems(case, r)
-    assert not found, _report(case, r, found)
