@@ -284,12 +284,13 @@ def _train_loop(cfg, run_dir: Path, device: torch.device, launch: Launch, mesh, 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    rows: list[dict[str, Any]] = []
-    done = 0  # steps already trained, by the run this one resumes
+    done, kept_rows = 0, 0  # steps already trained and metrics rows kept, by the run this one resumes
     if resume is not None:
         done, extra = checkpointer.load(resume, model, optimizer, scheduler)
         batches.load_state_dict(extra["data"])
-        rows = _kept_metrics(run_dir, extra["metrics_rows"], launch.is_main)
+        kept_rows = extra["metrics_rows"]
+    # rows past the checkpoint (or all, when starting afresh in this dir) are trained again: drop them
+    rows = _kept_metrics(run_dir, kept_rows, launch.is_main)
     progress = Progress(t.progress if launch.is_main else "lines", t.steps)
     progress.advance(done)
     try:
