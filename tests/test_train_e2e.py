@@ -69,3 +69,20 @@ def test_non_finite_loss_stops_with_a_clear_message(tmp_path):
     assert len(error) == 1 and "loss=" in error[0] and "optimizer.lr" in error[0]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "LossNotFinite" in summary["error"]
+
+
+def test_auto_budget_is_planned_logged_and_used(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train(run_dir, "ac=memory_budget", "ac.memory_budget=auto", "ac.target_memory_gib=0.05", FAST_COMPILE,
+                     "logger=none", *SMALL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    chosen = summary["memory_budget"]
+    assert isinstance(chosen, float) and 0.0 <= chosen <= 1.0
+    assert f"ac.memory_budget=auto -> {chosen:g}" in (run_dir / "train.log").read_text()
+
+    nothing_fits = run_train(tmp_path / "tiny", "ac=memory_budget", "ac.memory_budget=auto",
+                             "ac.target_memory_gib=0.001", FAST_COMPILE, "logger=none", *SMALL)
+    assert nothing_fits.returncode == 2
+    errors = [line for line in (nothing_fits.stdout + nothing_fits.stderr).splitlines() if "error:" in line]
+    assert len(errors) == 1 and "ac.memory_budget=auto: no budget fits" in errors[0] and "ac=full" in errors[0]
