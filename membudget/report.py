@@ -274,26 +274,24 @@ def plot(jobs: list[Job], rows: list[dict[str, Any]], sweep_dir: Path) -> dict[s
     return plots
 
 
+# how report.md shows each column (report.csv keeps the raw values)
+_FORMATS = {
+    "activation_bytes": lambda v: f"{v / MiB:,.1f} MiB",
+    "peak_memory_bytes": lambda v: f"{v / MiB:,.1f} MiB",
+    "median_tokens_per_s": lambda v: f"{v:,.0f}",
+    "median_step_time_s": lambda v: f"{v:.4g} s",
+    "step_time_vs_none": lambda v: f"{v:.2f}x",
+    "mfu": lambda v: f"{v:.1%}",
+    "final_loss": lambda v: f"{v:.4f}",
+    "max_abs_loss_diff": lambda v: f"{v:.2e}",
+    "loss_flagged": lambda v: "**FLAGGED**" if v else "ok",
+}
+
+
 def _fmt(column: str, value: Any) -> str:
     if value is None:
         return ""
-    if column in ("activation_bytes", "peak_memory_bytes"):
-        return f"{value / MiB:,.1f} MiB"
-    if column == "median_tokens_per_s":
-        return f"{value:,.0f}"
-    if column == "median_step_time_s":
-        return f"{value:.4g} s"
-    if column == "step_time_vs_none":
-        return f"{value:.2f}x"
-    if column == "mfu":
-        return f"{value:.1%}"
-    if column == "final_loss":
-        return f"{value:.4f}"
-    if column == "max_abs_loss_diff":
-        return f"{value:.2e}"
-    if column == "loss_flagged":
-        return "**FLAGGED**" if value else "ok"
-    return str(value)
+    return _FORMATS.get(column, str)(value)
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
