@@ -113,13 +113,13 @@ class Checkpointer:
         """Fail before training, not at the first save, when checkpoints cannot be written."""
         if not self.cfg.enabled:
             return
-        existed = self.dir.exists()
+        # probe the run dir until the first save has made checkpoints/: a run that fails on later input
+        # leaves no empty checkpoints/ behind, and ranks probing at once do not race on creating it
+        probe = self.dir if self.dir.is_dir() else self.dir.parent
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=self.dir):
+            probe.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=probe):
                 pass
-            if not existed:  # a run that fails on later input leaves nothing behind; save() makes it again
-                self.dir.rmdir()
         except OSError as e:
             raise UserError(f"checkpoint dir {str(self.dir)!r} is not writable ({e.strerror or e}): "
                             "choose a writable hydra.run.dir, or set checkpoint.enabled=false") from None

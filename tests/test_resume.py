@@ -22,6 +22,15 @@ def _train_cmd(run_dir, *overrides):
     return [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
 
 
+def _process(pid):
+    import psutil
+
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
 def test_sigkill_at_a_random_step_then_restart_gives_the_same_run(tmp_path):
     reference = tmp_path / "reference"
     proc = run_train(reference, *RUN)
@@ -31,17 +40,26 @@ def test_sigkill_at_a_random_step_then_restart_gives_the_same_run(tmp_path):
     kill_after = random.Random().randint(1, 16)
     print(f"killing after step {kill_after}")
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    # its own process group, killed whole, as SLURM or the OOM killer would (W&B's service process too)
     victim = subprocess.Popen(_train_cmd(run_dir, *RUN), cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and victim.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
             break
         time.sleep(0.005)
-    os.killpg(victim.pid, signal.SIGKILL)
+    # the whole process tree at once, as SLURM or the OOM killer would: W&B's service process too, which
+    # otherwise keeps the run id busy for a while
+    import psutil
+
+    tree = [victim.pid] + [p.pid for p in psutil.Process(victim.pid).children(recursive=True)]
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     victim.wait()
+    psutil.wait_procs([p for p in map(_process, tree) if p is not None], timeout=30)
     assert not (run_dir / "summary.json").exists(), "the run finished before it could be killed"
     checkpointed = any((run_dir / "checkpoints").glob("step_*"))  # killed before the first save: starts afresh
 
