@@ -29,9 +29,15 @@ def run_train(run_dir: Path, *overrides: str, timeout: float = 300, multirun: bo
     """`python train.py <overrides>` with its outputs in run_dir; W&B offline, nothing on the network."""
     where = f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}"
     cmd = [sys.executable, str(ROOT / "train.py"), *(["-m"] if multirun else []), where, *overrides]
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1"}
+    env = subprocess_env()
     return subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=timeout, env=env,
                           stdin=subprocess.DEVNULL)
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This environment for a child `train.py`: W&B offline and quiet, with a W&B service of its own."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    return {**env, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", **extra}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -42,3 +48,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def _quiet_wandb(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    yield
+    # an in-process wandb.init leaves WANDB_SERVICE pointing at this process's W&B service: subprocesses
+    # started later would share it, and a run killed in a test would keep its id "in use" there
+    os.environ.pop("WANDB_SERVICE", None)

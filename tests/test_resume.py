@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, read_metrics, run_train
+from tests.conftest import ROOT, read_metrics, run_train, subprocess_env
 from tests.wandb_offline import find_offline_runs, read_offline_run
 
 RUN = ["logger=wandb", "train.steps=20", "checkpoint.every_steps=4", "train.seq_len=128"]
@@ -39,8 +39,7 @@ def test_sigkill_at_a_random_step_then_restart_gives_the_same_run(tmp_path):
     run_dir = tmp_path / "killed"
     kill_after = random.Random().randint(1, 16)
     print(f"killing after step {kill_after}")
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    victim = subprocess.Popen(_train_cmd(run_dir, *RUN), cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+    victim = subprocess.Popen(_train_cmd(run_dir, *RUN), cwd=tmp_path, env=subprocess_env(), stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
