@@ -177,12 +177,13 @@ class Progress:
 
 def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, Any]:
     """Train per `cfg`, writing metrics.jsonl and summary.json into `run_dir`; returns the summary."""
-    validate(cfg, launch_from_env().world_size)
+    world_size = launch_from_env().world_size
+    validate(cfg, world_size)
     if cfg.ac.mode == "memory_budget" and cfg.ac.memory_budget == "auto":
         # planned on fake tensors before the real process group exists; every rank gets the same answer
         from membudget.plan import choose_budget
 
-        budget, plan = choose_budget(cfg, launch_from_env().world_size)
+        budget, plan = choose_budget(cfg, world_size)
         cfg.ac.memory_budget = budget
         log.info("ac.memory_budget=auto -> %s: planned peak %.2f of %.2f GiB per rank, recompute %.0f%% of forward",
                  budget, plan.peak / 2**30, plan.target / 2**30, 100 * plan.recompute_ratio)
