@@ -370,12 +370,6 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                           ("train.seq_len", cfg.train.seq_len)):
             if size % tp:
                 _fail("parallelism.tp", tp, f"must divide {key}={size}; choose a divisor of it")
-    if tp > 1 and compile_enabled(cfg):
-        # Seen with torch 2.13 (gloo, CPU): backward through a compiled TP block hands a plain tensor to
-        # DTensor's redistribute ("'Tensor' object has no attribute '_local_tensor'"), with every backend.
-        _fail("parallelism.tp", tp,
-              "torch.compile of tensor-parallel blocks fails in backward with this torch; use compile with "
-              "parallelism=fsdp/hsdp/ddp (ac=memory_budget needs compile), or tp with compile.enabled=false")
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     if cfg.train.global_batch_size % dp:
         _fail("train.global_batch_size", cfg.train.global_batch_size,

@@ -16,11 +16,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import warnings
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import wait_tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -36,6 +38,10 @@ from membudget.ac import apply_ac
 from membudget.config import Launch, UserError, compile_enabled, launch_from_env, mesh_degrees
 
 log = logging.getLogger("membudget")
+
+# Under TP the logits are the to_local() view of the output projection; the loss never modifies them in place,
+# which is what FSDP2's warning is about. It would repeat on every compile reset.
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 def _slurm_master(env) -> tuple[str, str]:
@@ -99,6 +105,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
     })
+    # The embedding's reduce-scatter is async: its output is an AsyncCollectiveTensor. Fed as is to a
+    # compiled block, AOTAutograd hands DTensor's backward a plain gradient ("'Tensor' object has no
+    # attribute '_local_tensor'", pytorch/pytorch#184980). Waiting here (identity in backward) fixes it.
+    model.tok_embeddings.register_forward_hook(lambda module, args, out: wait_tensor(out))
     block_plan = {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),

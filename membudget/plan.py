@@ -141,7 +141,12 @@ class _Tracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func is torch.ops._c10d_functional.wait_tensor.default:
-            return out  # eagerly the input itself; its fake kernel makes a new tensor
+            # Eagerly the input itself; its fake kernel makes a new tensor. So the output keeps the input's
+            # (counted) storage alive, as the alias would: else a waited collective's output goes uncounted.
+            kept = args[0].untyped_storage()
+            if out.untyped_storage()._cdata != kept._cdata:
+                weakref.finalize(out.untyped_storage(), lambda: kept)
+            return out
         formula = _FLOPS.get(getattr(func, "_overloadpacket", None))
         if formula is not None:
             self.segments[-1].flops += formula(*args, **kwargs, out_val=out)

@@ -95,8 +95,8 @@ CASES = [
     run("unknown-solver", "ac.solver", MB, "ac.solver=magic"),
     run("selective-word", "ac.selective_option", "ac=selective", "ac.selective_option=sometimes"),
     # ---- parallelism: degrees vs the world size of a (pretended) torchrun launch; validation precedes rendezvous
-    run("tp-with-budget", "parallelism.tp", "parallelism=tp", MB, world=2),
-    run("tp-not-dividing-heads", "parallelism.tp", "parallelism=tp", "compile.enabled=false", world=3),
+    run("tp-not-dividing-seq", "parallelism.tp", "parallelism=tp", MB, "train.seq_len=255", world=2),
+    run("tp-not-dividing-heads", "parallelism.tp", "parallelism=tp", world=3),
     run("fsdp-tp-odd-world", "parallelism.dp_shard", "parallelism=fsdp_tp", world=3),
     run("single-on-two-ranks", "parallelism", "parallelism=single", world=2),
     run("two-inferred-degrees", "parallelism.dp_shard", "parallelism=ddp", "parallelism.dp_shard=-1", world=4),

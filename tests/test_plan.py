@@ -79,20 +79,23 @@ def test_plan_matches_a_real_step(overrides):
     assert plan.peak == pytest.approx(real["peak"] - real["tokens"], abs=1024)
 
 
-REAL_FSDP_STEP = """
+REAL_TWO_RANK_STEP = """
 import json, sys, torch
 from membudget.ac import compiler_scope
 from membudget.metrics import ActivationCounter
-from membudget.parallel import build_mesh, init_distributed
+from membudget.parallel import build_mesh, dp_coordinates, init_distributed
 from membudget.trainer import build_model, build_optimizer, forward_backward
 from tests.conftest import compose_cfg
 from tests.test_plan import CompiledMemTracker
 
 cfg = compose_cfg(*sys.argv[1:])
 launch = init_distributed(torch.device("cpu"))
-tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size // 2, cfg.train.seq_len + 1))
+mesh = build_mesh(cfg.parallelism, launch, torch.device("cpu"))
+torch.manual_seed(0)  # TP ranks must see the same batch
+tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size // dp_coordinates(mesh)[1],
+                                                 cfg.train.seq_len + 1))
 with compiler_scope(cfg.ac):
-    model = build_model(cfg, torch.device("cpu"), build_mesh(cfg.parallelism, launch, torch.device("cpu")))
+    model = build_model(cfg, torch.device("cpu"), mesh)
     optimizer, _ = build_optimizer(model, cfg)
     counter = ActivationCounter(model)
 
@@ -113,11 +116,13 @@ if launch.rank == 0:
 """
 
 
-def test_fsdp_plan_matches_a_real_two_rank_step(tmp_path):
-    """Real FSDP2 over two gloo processes, compiled under a memory budget: the plan for world size 2 matches."""
-    overrides = [*DEBUG, "parallelism=fsdp", "train.global_batch_size=4", "ac=memory_budget"]
+@pytest.mark.parametrize("parallelism", ["fsdp", "tp"])
+def test_plan_matches_a_real_two_rank_step(tmp_path, parallelism):
+    """Real FSDP2 or TP over two gloo processes, compiled under a memory budget: the plan for world size 2
+    matches."""
+    overrides = [*DEBUG, f"parallelism={parallelism}", "train.global_batch_size=4", "ac=memory_budget"]
     script = tmp_path / "step.py"
-    script.write_text(REAL_FSDP_STEP)
+    script.write_text(REAL_TWO_RANK_STEP)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), *overrides],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1",
