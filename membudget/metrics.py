@@ -22,6 +22,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._pytree import tree_leaves
 
@@ -46,15 +47,23 @@ class ActivationCounter:
                 module.register_forward_pre_hook(self._on_checkpoint_input)
 
     @staticmethod
-    def _key(t: torch.Tensor) -> int:
+    def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+        # a DTensor's own storage has the global size: this rank holds its local tensor's
+        if isinstance(t, DTensor):
+            with torch.no_grad():
+                t = t.to_local()
+        return t.untyped_storage()
+
+    @classmethod
+    def _key(cls, t: torch.Tensor) -> int:
         # the StorageImpl's address: unique per storage, also for meta and fake tensors
-        return t.untyped_storage()._cdata
+        return cls._storage(t)._cdata
 
     def _add(self, t: Any) -> None:
         if isinstance(t, torch.Tensor):
-            key = self._key(t)
-            if key not in self._excluded:
-                self._storages.setdefault(key, t.untyped_storage())
+            storage = self._storage(t)
+            if storage._cdata not in self._excluded:
+                self._storages.setdefault(storage._cdata, storage)
 
     def _on_checkpoint_input(self, module, args) -> None:
         # A compiled checkpointed block saves its input through autograd (seen by the pack hook), and

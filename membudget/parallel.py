@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import warnings
 from typing import Optional
 
 import torch
@@ -39,9 +38,6 @@ from membudget.config import Launch, UserError, compile_enabled, launch_from_env
 
 log = logging.getLogger("membudget")
 
-# Under TP the logits are the to_local() view of the output projection; the loss never modifies them in place,
-# which is what FSDP2's warning is about. It would repeat on every compile reset.
-warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 def _slurm_master(env) -> tuple[str, str]:
@@ -99,11 +95,14 @@ def dp_coordinates(mesh: Optional[DeviceMesh]) -> tuple[int, int]:
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Megatron-style TP with sequence parallelism: the residual stream is sharded on the sequence,
-    attention and FFN are split column-wise then row-wise, norms run on sequence shards."""
+    attention and FFN are split column-wise then row-wise, norms run on sequence shards, the output
+    projection and the loss on vocabulary shards."""
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+        # logits stay sharded on the vocabulary: the loss runs under loss_parallel (see trainer.forward_backward),
+        # so no rank ever holds the whole [batch, seq, vocab] logits
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     })
     # The embedding's reduce-scatter is async: its output is an AsyncCollectiveTensor. Fed as is to a
     # compiled block, AOTAutograd hands DTensor's backward a plain gradient ("'Tensor' object has no

@@ -46,6 +46,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
@@ -315,7 +316,11 @@ class Planner:
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         model = self._build(cfg, n_layers, fake)
         counter = ActivationCounter(model)
-        with fake:  # active, so that what FSDP2 and the loss allocate is fake too
+        # Eager DTensor caches the shapes it derives by running ops on whole-size fake tensors (loss_parallel
+        # asks for them); under a fake mode it would redo that in every step, and the tracker would count it.
+        cached = mock.patch.object(ShardingPropagator, "_propagate_tensor_meta",
+                                   ShardingPropagator._propagate_tensor_meta_cached)
+        with fake, cached:  # fake active, so that what FSDP2 and the loss allocate is fake too
             tokens = torch.randint(cfg.model.vocab_size, (self.micro, cfg.train.seq_len + 1))
             step = (model, tokens[:, :-1], tokens[:, 1:], counter, self._autocast())
             nbytes = forward_backward(*step)[1]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from membudget.ac import compiler_scope
 from membudget.checkpoint import Checkpointer, read_train_state
@@ -137,11 +138,16 @@ def forward_backward(model, inputs, labels, counter: ActivationCounter, autocast
     """
     with counter.count(), autocast:
         logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        # Under TP the logits are a DTensor sharded on the vocabulary: loss_parallel computes the cross-entropy
+        # and, below, its backward on the shards
+        on_shards = loss_parallel if isinstance(logits, DTensor) else nullcontext
+        with on_shards():
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
     nbytes = counter.nbytes
     counter.release()
-    (loss * scale).backward()
-    return loss.detach(), nbytes
+    with on_shards():
+        (loss * scale).backward()
+    return _local(loss).detach(), nbytes
 
 
 class Progress:

@@ -54,6 +54,11 @@ def test_every_parallelism_matches_single_process_for_every_ac_mode(tmp_path, si
         assert [r["step"] for r in rows] == [1, 2, 3]
         for row, ref in zip(rows, reference):
             assert row["loss"] == pytest.approx(ref["loss"], rel=1e-4), (summary["ac_mode"], parallelism)
+        if "tp" in summary["config"]["parallelism"]["name"]:
+            # heads, FFN width, sequence (norms) and vocabulary (loss) are split over the TP ranks; only the
+            # all-gathered inputs of attention and the FFN stay whole
+            whole = json.loads((single[summary["ac_mode"]] / "summary.json").read_text())["activation_bytes"]
+            assert summary["activation_bytes"] < 0.75 * whole, summary["ac_mode"]
         # only rank 0 writes artefacts; the other ranks keep their own readable log
         assert (job / "train.log").exists() and (job / "train_rank1.log").exists()
         assert "step 3 | loss" in (job / "train_rank1.log").read_text()
