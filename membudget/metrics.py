@@ -29,6 +29,14 @@ from torch.utils._pytree import tree_leaves
 log = logging.getLogger("membudget")
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) tensor: a DTensor's own storage has the global size."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
 class ActivationCounter:
     """Counts activation bytes of the forward passes run inside `count()`.
 
@@ -47,21 +55,13 @@ class ActivationCounter:
                 module.register_forward_pre_hook(self._on_checkpoint_input)
 
     @staticmethod
-    def _storage(t: torch.Tensor) -> torch.UntypedStorage:
-        # a DTensor's own storage has the global size: this rank holds its local tensor's
-        if isinstance(t, DTensor):
-            with torch.no_grad():
-                t = t.to_local()
-        return t.untyped_storage()
-
-    @classmethod
-    def _key(cls, t: torch.Tensor) -> int:
+    def _key(t: torch.Tensor) -> int:
         # the StorageImpl's address: unique per storage, also for meta and fake tensors
-        return cls._storage(t)._cdata
+        return local_tensor(t).untyped_storage()._cdata
 
     def _add(self, t: Any) -> None:
         if isinstance(t, torch.Tensor):
-            storage = self._storage(t)
+            storage = local_tensor(t).untyped_storage()
             if storage._cdata not in self._excluded:
                 self._storages.setdefault(storage._cdata, storage)
 

@@ -39,7 +39,6 @@ from membudget.config import Launch, UserError, compile_enabled, launch_from_env
 log = logging.getLogger("membudget")
 
 
-
 def _slurm_master(env) -> tuple[str, str]:
     """The first host of the job and a port derived from the job id, the same on every task."""
     import subprocess

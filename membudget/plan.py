@@ -54,7 +54,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from membudget.ac import compiler_scope
 from membudget.config import UserError, compile_enabled, mesh_degrees, register_configs, validate
-from membudget.metrics import ActivationCounter
+from membudget.metrics import ActivationCounter, local_tensor
 from membudget.model import ModelArgs, Transformer
 from membudget.parallel import Launch, build_mesh, parallelize
 from membudget.trainer import build_optimizer, forward_backward
@@ -196,8 +196,8 @@ def _storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (this rank's shards, FSDP2's padding included)."""
     storages = {}
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        storages[local.untyped_storage()._cdata] = local.untyped_storage().nbytes()
+        storage = local_tensor(t).untyped_storage()
+        storages[storage._cdata] = storage.nbytes()
     return sum(storages.values())
 
 

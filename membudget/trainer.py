@@ -33,6 +33,7 @@ from membudget.metrics import (
     finite_or_none,
     flops_per_token,
     init_wandb,
+    local_tensor,
     peak_memory,
 )
 from membudget.model import ModelArgs, Transformer, num_params
@@ -49,11 +50,6 @@ from membudget.parallel import (
 )
 
 log = logging.getLogger("membudget")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly sharded) tensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Preempted(Exception):
@@ -147,7 +143,7 @@ def forward_backward(model, inputs, labels, counter: ActivationCounter, autocast
     counter.release()
     with on_shards():
         (loss * scale).backward()
-    return _local(loss).detach(), nbytes
+    return local_tensor(loss).detach(), nbytes
 
 
 class Progress:
@@ -270,7 +266,7 @@ def _train_loop(cfg, run_dir: Path, device: torch.device, launch: Launch, mesh, 
     torch.manual_seed(t.seed)
     model = build_model(cfg, device, mesh)
     n_params = num_params(model)
-    local_param_bytes = sum(_local(p).nbytes for p in model.parameters())
+    local_param_bytes = sum(local_tensor(p).nbytes for p in model.parameters())
     log.info("model %s: %s parameters (%.1f MiB on this rank), ac=%s, compile=%s, parallelism=%s on %s, rank %d/%d pid %d",
              cfg.model.name, f"{n_params:,}", local_param_bytes / 2**20, cfg.ac.mode,
              cfg.compile.backend if compile_enabled(cfg) else "off", cfg.parallelism.name, device, launch.rank,
