@@ -1,12 +1,14 @@
 """What a run measures (activation bytes, peak memory, throughput, MFU) and where it goes (metrics.jsonl,
-W&B, a progress bar or log lines).
+W&B, the console's progress bar or log lines).
 
 `activation_bytes` is the one definition the trainer, the planner and the report share: the bytes of the
-tensors kept for backward during one step, deduplicated by storage, without the storages of parameters
-and buffers (a saved reference to a weight costs no memory of its own). Three places keep such tensors:
+tensors kept for backward during one micro-batch's forward, deduplicated by storage, without the storages of
+parameters and buffers (a saved reference to a weight costs no memory of its own). Three places keep them:
 - autograd's saved tensors, eager and compiled alike: seen by `saved_tensors_hooks`;
 - the inputs of a checkpointed block, which non-reentrant checkpoint holds for its recompute;
-- the op outputs that selective AC caches (MUST_SAVE), which live in the checkpoint's own storage.
+- the op outputs that selective AC caches (MUST_SAVE), which a selective wrapper hands to its sink.
+Each storage is attributed to the block whose forward first kept it (`per_block`; the rest: embedding,
+final norm, output and loss).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import resource
 import sys
 from pathlib import Path
@@ -23,8 +26,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from torch.utils._pytree import tree_leaves
+
+from membudget.internals import CheckpointWrapper, storage_key, tree_leaves
 
 log = logging.getLogger("membudget")
 
@@ -38,47 +41,54 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 class ActivationCounter:
-    """Counts activation bytes of the forward passes run inside `count()`.
+    """Counts activation bytes of the forward passes run inside `count()`, in total and per block.
 
-    Checkpoint wrappers report their inputs through a forward pre-hook, and selective AC reports its
-    cache through `track_cache`, so every mode is measured the same way.
+    Checkpoint wrappers report their inputs through a forward pre-hook, selective AC its cache through the
+    wrapper's `selective_cache_sink`, so every mode is measured the same way.
     """
 
-    _active: Optional["ActivationCounter"] = None
-
     def __init__(self, model: nn.Module):
-        self._excluded = {self._key(t) for t in list(model.parameters()) + list(model.buffers())}
-        self._storages: dict[int, torch.UntypedStorage] = {}
-        self._caches: list[Any] = []
+        self._excluded = {storage_key(local_tensor(t).untyped_storage())
+                          for t in list(model.parameters()) + list(model.buffers())}
+        self._storages: dict[int, tuple[torch.UntypedStorage, Optional[int]]] = {}
+        self._caches: list[tuple[Any, Optional[int]]] = []
+        self._counting = False
+        self._block: Optional[int] = None
+        self.last_per_block: dict[Optional[int], int] = {}
+        self._sinks = []
+        layers = getattr(model, "layers", {})
+        for index, block in enumerate(layers.values() if hasattr(layers, "values") else ()):
+            block.register_forward_pre_hook(lambda m, a, i=index: self._enter(i))
+            block.register_forward_hook(lambda m, a, o: self._enter(None))
         for module in model.modules():
             if isinstance(module, CheckpointWrapper):
                 module.register_forward_pre_hook(self._on_checkpoint_input)
+            sink = getattr(module, "selective_cache_sink", None)
+            if sink is not None:
+                self._sinks.append(sink)
 
-    @staticmethod
-    def _key(t: torch.Tensor) -> int:
-        # the StorageImpl's address: unique per storage, also for meta and fake tensors
-        return local_tensor(t).untyped_storage()._cdata
+    def _enter(self, block: Optional[int]) -> None:
+        if not torch.compiler.is_compiling():
+            self._block = block
 
     def _add(self, t: Any) -> None:
         if isinstance(t, torch.Tensor):
             storage = local_tensor(t).untyped_storage()
-            if storage._cdata not in self._excluded:
-                self._storages.setdefault(storage._cdata, storage)
+            key = storage_key(storage)
+            if key not in self._excluded and key not in self._storages:
+                self._storages[key] = (storage, self._block)
 
     def _on_checkpoint_input(self, module, args) -> None:
         # A compiled checkpointed block saves its input through autograd (seen by the pack hook), and
         # Dynamo must not trace this hook: is_compiling() folds it away there.
         if torch.compiler.is_compiling():
             return
-        if ActivationCounter._active is self and torch.is_grad_enabled():
+        if self._counting and torch.is_grad_enabled():
             for a in tree_leaves(args):
                 self._add(a)
 
-    @classmethod
-    def track_cache(cls, cache: Any) -> None:
-        """Selective AC hands in its cache of saved op outputs (counted when the forward is done)."""
-        if cls._active is not None and not torch.compiler.is_compiling():
-            cls._active._caches.append(cache)
+    def _collect(self, cache: Any) -> None:
+        self._caches.append((cache, self._block))
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         # FSDP's unsharded parameters exist only during forward/backward: seen as a Parameter or a view of one
@@ -90,31 +100,61 @@ class ActivationCounter:
 
     @contextlib.contextmanager
     def count(self) -> Iterator[None]:
-        """Count one step's forward passes; read the total from `nbytes` afterwards."""
+        """Count one forward pass; read the total from `nbytes` (and `per_block`) afterwards."""
         self._storages.clear()
         self._caches.clear()
-        ActivationCounter._active = self
+        self._counting, self._block = True, None
+        for sink in self._sinks:
+            sink.target = self._collect
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 yield
         finally:
-            ActivationCounter._active = None
-        for cache in self._caches:
+            self._counting, self._block = False, None
+            for sink in self._sinks:
+                sink.target = None
+        for cache, block in self._caches:
+            self._block = block
             for leaf in tree_leaves(cache, is_leaf=lambda x: hasattr(x, "val")):
                 self._add(getattr(leaf, "val", leaf))
+        self._block = None
         self._caches.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes() for s in self._storages.values())
+        return sum(s.nbytes() for s, _ in self._storages.values())
+
+    @property
+    def per_block(self) -> dict[Optional[int], int]:
+        """Bytes by block index (None: outside the blocks)."""
+        out: dict[Optional[int], int] = {}
+        for storage, block in self._storages.values():
+            out[block] = out.get(block, 0) + storage.nbytes()
+        return out
 
     def release(self) -> None:
-        """Drop the references kept for deduplication so the step's memory can be freed."""
+        """Drop the references kept for deduplication so the step's memory can be freed (the per-block
+        breakdown of the forward just counted stays readable as `last_per_block`)."""
+        self.last_per_block = self.per_block
         self._storages.clear()
 
 
+# --- memory ------------------------------------------------------------------------------------------------
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new interval for `peak_memory`: CUDA's peak counters, or the process's RSS high-water mark
+    (Linux: writing 5 to /proc/self/clear_refs resets VmHWM)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
 def peak_memory(device: torch.device) -> dict[str, int]:
-    """Peak memory so far: CUDA max allocated/reserved on GPU, the process's peak RSS on CPU."""
+    """Peak memory since the last `reset_peak_memory`: CUDA max allocated/reserved on GPU, the process's peak
+    RSS on CPU."""
     if device.type == "cuda":
         allocated = torch.cuda.max_memory_allocated(device)
         return {
@@ -122,36 +162,86 @@ def peak_memory(device: torch.device) -> dict[str, int]:
             "cuda_max_allocated_bytes": allocated,
             "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device),
         }
-    # ru_maxrss is in KiB on Linux, bytes on macOS
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return {"peak_memory_bytes": int(line.split()[1]) * 1024}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return {"peak_memory_bytes": rss if sys.platform == "darwin" else rss * 1024}
 
 
-# Dense bf16 peak FLOP/s per device, from the vendors' data sheets.
-_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
+# --- throughput ---------------------------------------------------------------------------------------------
+
+# Dense peak FLOP/s per device by the exact name torch.cuda reports, from the vendors' data sheets: (bf16/fp16
+# tensor cores, fp32 without TF32, which torch's default matmul precision does not use).
+PEAK_FLOPS = {
+    "NVIDIA H100 80GB HBM3": (989e12, 67e12),  # SXM5
+    "NVIDIA H100 PCIe": (756e12, 51e12),
+    "NVIDIA H100 NVL": (835e12, 60e12),
+    "NVIDIA H200": (989e12, 67e12),
+    "NVIDIA H800": (989e12, 67e12),
+    "NVIDIA H800 PCIe": (756e12, 51e12),
+    "NVIDIA B200": (2250e12, 80e12),
+    "NVIDIA A100-SXM4-80GB": (312e12, 19.5e12),
+    "NVIDIA A100-SXM4-40GB": (312e12, 19.5e12),
+    "NVIDIA A100 80GB PCIe": (312e12, 19.5e12),
+    "NVIDIA A100-PCIE-40GB": (312e12, 19.5e12),
+    "NVIDIA L40S": (362e12, 91.6e12),
+    "NVIDIA A10": (125e12, 31.2e12),
 }
 
 
-def device_peak_flops(device: torch.device, configured: Optional[float] = None) -> Optional[float]:
+def device_peak_flops(device: torch.device, bf16: bool, configured: Optional[float] = None) -> Optional[float]:
+    """Peak FLOP/s of this device in the run's dtype, for MFU: train.peak_flops, else the table by exact device
+    name; None when unknown (MFU is then not reported rather than guessed)."""
     if configured:
         return configured
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in _PEAK_FLOPS.items():
-            if key in name:
-                return flops
-    return None
+    if device.type != "cuda":
+        return None
+    peaks = PEAK_FLOPS.get(torch.cuda.get_device_name(device))
+    if peaks is None:
+        log.warning("no peak FLOP/s known for %r: MFU is not reported; set train.peak_flops",
+                    torch.cuda.get_device_name(device))
+        return None
+    return peaks[0] if bf16 else peaks[1]
 
 
-def flops_per_token(n_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
-    """Training FLOPs per token, forward + backward, without recompute (the usual MFU convention):
-    6 per parameter plus the attention scores, 12 * layers * heads * head_dim * seq_len."""
-    return 6 * n_params + 12 * n_layers * n_heads * head_dim * seq_len
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token, forward + backward, without recompute (torchtitan's convention): 6 per
+    parameter that a matmul uses (the embedding is a lookup: excluded, unless tied to the output projection),
+    plus the attention scores, 12 * layers * heads * head_dim * seq_len."""
+    args = model.args
+    params = {id(p): p.numel() for p in model.parameters()}
+    lookup = 0 if args.tie_embeddings else args.vocab_size * args.dim
+    matmul_params = sum(params.values()) - lookup
+    return 6 * matmul_params + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+# --- where rows go ------------------------------------------------------------------------------------------
+
+def finite_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A row that JSON can hold: non-finite floats become null and are named under `nonfinite`."""
+    bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return row
+    return {**{k: (None if k in bad else v) for k, v in row.items()}, "nonfinite": bad}
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write a JSON file atomically (a temporary file renamed over it): a crash or a full disk leaves the old
+    file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 class MetricsWriter:
@@ -162,41 +252,116 @@ class MetricsWriter:
         self.wandb_run = wandb_run
 
     def write(self, row: dict[str, Any]) -> None:
+        row = finite_row(row)
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, allow_nan=False) + "\n")
+            f.flush()
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+            self.wandb_run.log({k: v for k, v in row.items() if k != "step" and not isinstance(v, list)},
+                               step=row["step"])
 
 
 def init_wandb(cfg, run_dir: Path, group: Optional[str], resume_id: Optional[str] = None):
     """An offline W&B run unless the user configured online; None with logger=none."""
     if cfg.logger.name != "wandb":
         return None
-    import os
-
     import wandb
     from omegaconf import OmegaConf
 
+    from membudget.errors import UserError
+    from membudget.schema import ac_label, budget_of
+
     ac = cfg.ac
-    budget = f"-b{float(ac.memory_budget):g}" if ac.mode == "memory_budget" else ""
-    selective = f"-{ac.selective_option}" if ac.mode == "selective" else ""
     tags = list(cfg.logger.tags) + [f"ac:{ac.mode}"]
-    if ac.mode == "memory_budget":
-        tags.append(f"budget:{float(ac.memory_budget):g}")
-    return wandb.init(
-        project=cfg.logger.project,
-        entity=cfg.logger.entity,
-        group=cfg.logger.group or group,
-        job_type=f"ac-{ac.mode}",
-        tags=tags,
-        name=cfg.logger.run_name or f"{cfg.model.name}-ac-{ac.mode}{budget}{selective}",
-        config=OmegaConf.to_container(cfg, resolve=True),
-        dir=str(run_dir),
-        mode=cfg.logger.mode or os.environ.get("WANDB_MODE", "offline"),
-        id=resume_id,
-        resume="allow" if resume_id else None,
-    )
+    if budget_of(ac) is not None:
+        tags.append(f"budget:{budget_of(ac)}")
+    mode = str(cfg.logger.mode or os.environ.get("WANDB_MODE", "offline"))
+    try:
+        return wandb.init(
+            project=cfg.logger.project,
+            entity=cfg.logger.entity,
+            group=cfg.logger.group or group,
+            job_type=f"ac-{ac.mode}",
+            tags=tags,
+            name=cfg.logger.run_name or f"{cfg.model.name}-{ac_label(ac).replace(' ', '-')}",
+            config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+            dir=str(run_dir),
+            mode=mode,
+            id=resume_id,
+            resume="allow" if resume_id else None,
+        )
+    except (wandb.errors.UsageError, wandb.errors.CommError, wandb.errors.AuthenticationError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"logger.mode={mode!r}: W&B could not start ({first}); log in with `wandb login` or set "
+                        "WANDB_API_KEY, or use logger.mode=offline (and `wandb sync` later) or logger=none") from None
 
 
-def finite_or_none(x: float) -> Optional[float]:
-    return x if x is not None and math.isfinite(x) else None
+# --- the console ----------------------------------------------------------------------------------------------
+
+class _HideStepLines(logging.Filter):
+    """On the console while the bar is drawn, the bar shows the step: its log line goes to the file only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "step_line", False)
+
+
+def _console_handlers() -> list[logging.Handler]:
+    return [h for h in logging.getLogger().handlers
+            if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) in (sys.stdout, sys.stderr)]
+
+
+def quiet_console(is_main: bool) -> None:
+    """Rank 0 alone speaks on the console; the other ranks keep everything in their own log file."""
+    if not is_main:
+        for handler in _console_handlers():
+            handler.setLevel(logging.ERROR)
+
+
+class Progress:
+    """A tqdm bar on a terminal (other log lines print above it), plain log lines otherwise (SLURM logs,
+    pipes). Every logged step also goes to the log file as a line, bar or not."""
+
+    def __init__(self, mode: str, total: int, done: int, label: str):
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "lines"
+        self.mode = mode
+        self.bar = None
+        self._stack = contextlib.ExitStack()
+        self._filter = _HideStepLines()
+        self._handlers: list[logging.Handler] = []
+        if mode == "bar":
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._stack.enter_context(logging_redirect_tqdm())
+            self.bar = tqdm(total=total, initial=done, desc=label, unit="step", dynamic_ncols=True)
+        if mode in ("bar", "off"):
+            self._handlers = _console_handlers() + [h for h in logging.getLogger().handlers
+                                                     if type(h).__name__ == "_TqdmLoggingHandler"]
+            for handler in self._handlers:
+                handler.addFilter(self._filter)
+
+    def update(self, row: dict[str, Any]) -> None:
+        mem = (row["peak_memory_bytes"] or 0) / 2**30
+        log.info("step %d | loss %s | lr %.2e | %.0f tok/s | %.3f s/step | peak mem %.2f GiB | act %.1f MiB%s",
+                 row["step"], _num(row["loss"], ".4f"), row["lr"], row["tokens_per_s"], row["step_time_s"], mem,
+                 row["activation_bytes"] / 2**20, " | SKIPPED (non-finite)" if row.get("skipped") else "",
+                 extra={"step_line": True})
+        if self.bar is not None:
+            self.bar.set_postfix(loss=_num(row["loss"], ".4f"), tok_s=f"{row['tokens_per_s']:.0f}",
+                                 mem=f"{mem:.2f}GiB", refresh=False)
+
+    def advance(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        for handler in self._handlers:
+            handler.removeFilter(self._filter)
+        self._stack.close()
+
+
+def _num(value: Optional[float], spec: str) -> str:
+    return "nan" if value is None else format(value, spec)

@@ -1,5 +1,4 @@
-"""Where the model runs and how it is split: distributed init (single, torchrun, SLURM), the device mesh,
-and per block TP -> AC -> compile -> FSDP.
+"""How the model is split over ranks: the device mesh, and per block TP -> AC -> compile -> FSDP.
 
 The order follows torchtitan: TP first so that AC and compile see the sharded block; AC wraps the block
 before compile so that compile sees the checkpoint (and its selective policy) and the partitioner can plan
@@ -13,17 +12,14 @@ with dp_replicate=1 it is FSDP.
 
 from __future__ import annotations
 
-import datetime
-import logging
-import os
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import wait_tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -34,47 +30,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from membudget.ac import apply_ac
-from membudget.config import Launch, UserError, compile_enabled, launch_from_env, mesh_degrees
-
-log = logging.getLogger("membudget")
-
-
-def _slurm_master(env) -> tuple[str, str]:
-    """The first host of the job and a port derived from the job id, the same on every task."""
-    import subprocess
-
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    host = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                          check=True).stdout.split()[0]
-    return host, str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
-
-
-def init_distributed(device: torch.device, timeout_s: float = 600) -> Launch:
-    """Join the process group when launched with several processes; NCCL on CUDA, gloo on CPU."""
-    launch = launch_from_env()
-    if launch.world_size == 1 or dist.is_initialized():
-        return launch
-    if "MASTER_ADDR" not in os.environ:  # srun / submitit: torchrun's rendezvous variables are not there
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = _slurm_master(os.environ)
-    if device.type == "cuda":
-        torch.cuda.set_device(launch.local_rank)
-    dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo",
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    return launch
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError("train.device='cuda': no CUDA device is visible; use train.device=auto or cpu")
-        return torch.device("cuda", launch_from_env().local_rank % torch.cuda.device_count())
-    return torch.device(name)
+from membudget.internals import wait_tensor
+from membudget.launch import Launch
+from membudget.rules import compile_enabled, mesh_degrees
+from membudget.schema import TrainDType
 
 
 def build_mesh(p, launch: Launch, device: torch.device) -> Optional[DeviceMesh]:
@@ -99,7 +58,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        # logits stay sharded on the vocabulary: the loss runs under loss_parallel (see trainer.forward_backward),
+        # logits stay sharded on the vocabulary: the loss runs under loss_parallel (see step.forward_backward),
         # so no rank ever holds the whole [batch, seq, vocab] logits
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     })
@@ -122,25 +81,37 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     }
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
+    model.tie_weights()  # the embedding's and the output's weights are both sharded on the vocabulary
 
 
 def apply_compile(model: nn.Module, cfg) -> None:
     for name, block in list(model.layers.named_children()):
         model.layers.register_module(
-            name, torch.compile(block, backend=cfg.compile.backend, fullgraph=cfg.compile.fullgraph)
+            name, torch.compile(block, backend=str(cfg.compile.backend), fullgraph=cfg.compile.fullgraph)
         )
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg, device: torch.device) -> None:
+    """FSDP2 groups, each gathered just before it is used and freed after: the embedding, every block, and
+    [final norm, output] (one group with the embedding when they share a weight). The last block and the
+    output group stay gathered after forward, as backward needs them at once; the output group's gradient is
+    reduced as soon as its backward ends, not held to the end of the step."""
     # bf16 compute with fp32 gradient reduction on GPU; CPU stays in fp32 like the single-process run
     mp = MixedPrecisionPolicy()
-    if device.type == "cuda" and cfg.train.dtype != "float32":
+    if device.type == "cuda" and cfg.train.dtype != TrainDType.float32:
         p = cfg.parallelism
-        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, p.param_dtype), reduce_dtype=getattr(torch, p.reduce_dtype))
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp)
-    # the root group (embedding, final norm, output) is used last in backward: no reshard after forward
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, str(p.param_dtype)),
+                                  reduce_dtype=getattr(torch, str(p.reduce_dtype)))
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    if model.args.tie_embeddings:
+        fully_shard([model.tok_embeddings, model.norm, model.output], mesh=dp_mesh, mp_policy=mp,
+                    reshard_after_forward=False)
+    else:
+        fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp)
+        fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)  # the root: no parameters of its own, runs the lazy init
 
 
 def parallelize(model: nn.Module, cfg, mesh: Optional[DeviceMesh] = None,
@@ -156,8 +127,28 @@ def parallelize(model: nn.Module, cfg, mesh: Optional[DeviceMesh] = None,
     return model
 
 
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, mesh: Optional[DeviceMesh], last: bool) -> Iterator[None]:
+    """The backward of a micro-batch that is not the step's last skips what it can of the gradient sync:
+    replicas (DDP, and HSDP across groups) all-reduce only once per step. FSDP shards still reduce-scatter
+    every micro-batch: skipping it would hold every block's unsharded gradient until the last one."""
+    if last or mesh is None or not isinstance(model, FSDPModule) or mesh["dp_replicate"].size() == 1:
+        yield
+        return
+    if mesh["dp_shard"].size() == 1:
+        model.set_requires_gradient_sync(False)  # DDP: gradients are whole anyway
+    else:
+        model.set_requires_all_reduce(False)  # HSDP: reduce-scatter within the group, all-reduce later
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+        model.set_requires_all_reduce(True)
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip gradients to `max_norm` in total; the norm of sharded (DTensor) gradients is made whole."""
+    """Clip gradients to `max_norm` in total; the norm of sharded (DTensor) gradients is made whole. Returns the
+    total norm (before clipping), a tensor on the device: reading it is the step's one sync."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads)
     if isinstance(total, DTensor):
@@ -173,3 +164,12 @@ def all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> 
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return t.tolist()
+
+
+def broadcast_object(obj, device: torch.device):
+    """Rank 0's `obj` on every rank (the run dir, the checkpoint to resume: one decision for the job)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    return box[0]

@@ -1,379 +1,540 @@
-"""The training loop: build everything from the config, train, measure, write metrics and the summary."""
+"""The training loop, read top to bottom:
+
+    train(cfg, run_dir)
+      setup          launch, device, process group, run dir (locked), data, model, optimizer, resume
+      for each step:
+        train_step   micro-batches forward/backward, clip; a non-finite loss or grad norm never reaches the
+                     optimizer; one host sync per step
+        log_step     on logged steps: reduce over ranks, one metrics row (jsonl, W&B, console)
+        checkpoint   every N steps, at the end, and when a signal asks the run to stop
+      finish         summary.json, W&B run finished
+"""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
-import math
 import os
 import signal
-import threading
 import statistics
-import sys
+import threading
 import time
-from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import OmegaConf
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from membudget.ac import compiler_scope
-from membudget.checkpoint import Checkpointer, read_train_state
-from membudget.config import UserError, compile_enabled, validate
-from membudget.data import TokenBatches, build_tokenizer, vocab_size_check
+from membudget.checkpoint import Checkpointer, config_changes, save_seconds
+from membudget.data import Prefetcher, TokenBatches, build_tokenizer, vocab_size_check
+from membudget.diagnostics import Diagnostics
+from membudget.errors import Stopped, UserError
+from membudget.fit import check_fits
+from membudget.launch import Launch, init_distributed, launch_from_env, pick_device, warn_if_unused_allocation
 from membudget.metrics import (
     ActivationCounter,
     MetricsWriter,
+    Progress,
     device_peak_flops,
-    finite_or_none,
     flops_per_token,
     init_wandb,
     local_tensor,
     peak_memory,
+    quiet_console,
+    reset_peak_memory,
+    write_json,
 )
-from membudget.model import ModelArgs, Transformer, num_params
-from membudget.parallel import (
-    Launch,
-    all_reduce,
-    build_mesh,
-    clip_grad_norm,
-    dp_coordinates,
-    init_distributed,
-    launch_from_env,
-    parallelize,
-    pick_device,
-)
+from membudget.model import num_params
+from membudget.parallel import all_reduce, broadcast_object, build_mesh, clip_grad_norm, dp_coordinates, gradient_sync
+from membudget.rules import compile_enabled, validate
+from membudget.rundir import RunDirLock, start_fresh
+from membudget.schema import ACMode, NonFinite, ac_label, budget_of
+from membudget.step import Numerics, StepShape, build_model, build_optimizer, forward_backward
 
 log = logging.getLogger("membudget")
 
 
-class Preempted(Exception):
-    """SLURM asked the job to stop (time limit near, or preemption); a checkpoint of `step` was saved."""
+class LossNotFinite(UserError):
+    """The loss or the gradient norm became NaN or inf: the run stops before the optimizer steps on it."""
 
 
-class StopSignal:
-    """SLURM's warning signal (USR2, which the launcher presets ask for before the time limit and which
-    submitit also uses for preemption), noted at once and acted on at the next step boundary, where all
-    ranks agree to save a checkpoint; then submitit's own handler requeues the job."""
+class StopSignals:
+    """Signals noted at once and acted on at the next step boundary, where all ranks agree to stop:
+    - SIGUSR2, SLURM's warning before the time limit (the launcher presets ask for it; submitit also uses it
+      for preemption): checkpoint, then submitit's own handler requeues the job (status "preempted");
+    - SIGTERM and SIGINT (Ctrl-C): checkpoint and end with status "interrupted"; a second Ctrl-C stops at once.
+    """
 
-    def __init__(self, signum: int = signal.SIGUSR2):
-        self.signum = signum
-        self.received = False
-        self.previous = None
+    SIGNALS = {signal.SIGUSR2: "preempted", signal.SIGTERM: "interrupted", signal.SIGINT: "interrupted"}
+
+    def __init__(self):
+        self.received: Optional[int] = None
+        self.previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signum, self._note)
+            for signum in self.SIGNALS:
+                self.previous[signum] = signal.signal(signum, self._note)
 
     def _note(self, signum, frame) -> None:
-        log.warning("received %s: saving a checkpoint at the end of this step", signal.Signals(signum).name)
-        self.received = True
+        if signum == signal.SIGINT and self.received is not None:
+            raise KeyboardInterrupt  # the second Ctrl-C
+        log.warning("received %s: stopping after this step, with a checkpoint", signal.Signals(signum).name)
+        self.received = signum
+
+    @property
+    def status(self) -> str:
+        return self.SIGNALS.get(self.received, "interrupted")
 
     def restore(self) -> None:
-        if self.previous is not None:
-            signal.signal(self.signum, self.previous)
-
-    def hand_over(self) -> None:
-        """Let the handler that was there before ours (submitit's: requeue, then exit) do its part."""
-        self.restore()
-        if callable(self.previous):
-            self.previous(self.signum, None)
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+        self.previous = {}
 
 
-class LossNotFinite(UserError):
-    """The loss became NaN or inf: the run stops instead of training on garbage."""
+@dataclass
+class Run:
+    """Everything one training run is made of, built by `setup`."""
+
+    cfg: Any
+    run_dir: Path
+    launch: Launch
+    device: torch.device
+    mesh: Any
+    shape: StepShape
+    numerics: Numerics
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    batches: Prefetcher
+    counter: ActivationCounter
+    checkpointer: Checkpointer
+    writer: Optional[MetricsWriter]
+    wandb_run: Any
+    start_step: int = 0
+    rows: list = field(default_factory=list)
+    skipped_in_a_row: int = 0
+    skipped_total: int = 0
+    compile_s: Optional[float] = None
+    flops_per_token: float = 0.0  # training FLOPs per token, for MFU
+    peak_flops: Optional[float] = None  # this device's, in the run's dtype; None: MFU is not reported
+
+    @property
+    def label(self) -> str:
+        """The whole AC setting, as the start line, the bar and the final line show it."""
+        backend = f"compile {self.cfg.compile.backend}" if compile_enabled(self.cfg) else "eager"
+        extra = ""
+        if self.cfg.ac.mode == ACMode.memory_budget:
+            extra = f" (solver {self.cfg.ac.solver}, estimator {self.cfg.ac.runtime_estimator})"
+        return f"ac={ac_label(self.cfg.ac)}{extra}, {backend}"
 
 
-def build_model(cfg, device: torch.device, mesh=None) -> Transformer:
-    """Llama 3 built on the meta device, parallelised per block (TP, AC, compile, FSDP), then materialised
-    and initialised: nothing is allocated at full size before it is sharded."""
-    with torch.device("meta"):
-        model = Transformer(ModelArgs.from_config(cfg.model))
-    parallelize(model, cfg, mesh, device)
-    model.to_empty(device=device)
-    model.init_weights()
-    return model
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # this rank's mean over micro-batches (on the device)
+    grad_norm: torch.Tensor
+    activation_bytes: int
+    per_block: list[int]
+    skipped: bool = False
 
 
-def lr_lambda(cfg):
-    """Linear warmup to the peak LR, then cosine or linear decay to min_lr_ratio of it."""
-    warmup, total = cfg.lr_schedule.warmup_steps, cfg.train.steps
-    floor = cfg.lr_schedule.min_lr_ratio
+# --- setup ---------------------------------------------------------------------------------------------------
 
-    def factor(step: int) -> float:  # step counts from 0
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if cfg.lr_schedule.decay == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule.decay == "cosine" else 1 - progress
-        return floor + (1 - floor) * shape
-
-    return factor
+def _on_rank0(fn: Callable[[], None]) -> None:
+    """Run `fn` on rank 0 alone; a UserError it raises is raised on every rank (one decision for the job)."""
+    message = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            fn()
+        except UserError as e:
+            message = str(e)
+    message = broadcast_object(message, torch.device("cpu")) if dist.is_initialized() else message
+    if message is not None:
+        raise UserError(message)
 
 
-def build_optimizer(model: torch.nn.Module, cfg):
-    o = cfg.optimizer
-    # No weight decay on norms (1-D weights): the usual choice for Llama-style models.
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-
-
-def forward_backward(model, inputs, labels, counter: ActivationCounter, autocast=nullcontext(), scale: float = 1.0):
-    """One micro-batch: forward under the activation counter, loss, backward of `scale * loss`.
-
-    Returns the detached loss and the activation bytes the forward kept for backward.
-    """
-    with counter.count(), autocast:
-        logits = model(inputs)
-        # Under TP the logits are a DTensor sharded on the vocabulary: loss_parallel computes the cross-entropy
-        # and, below, its backward on the shards
-        on_shards = loss_parallel if isinstance(logits, DTensor) else nullcontext
-        with on_shards():
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-    nbytes = counter.nbytes
-    counter.release()
-    with on_shards():
-        (loss * scale).backward()
-    return local_tensor(loss).detach(), nbytes
-
-
-class Progress:
-    """A tqdm bar on a terminal; plain log lines otherwise (SLURM logs, pipes)."""
-
-    def __init__(self, mode: str, total: int):
-        if mode == "auto":
-            mode = "bar" if sys.stderr.isatty() else "lines"
-        self.mode = mode
-        self.bar = None
-        if mode == "bar":
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
-
-    def update(self, row: dict[str, Any]) -> None:
-        mem = row["peak_memory_bytes"] / 2**30
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", mem=f"{mem:.2f}GiB")
-        elif self.mode == "lines":
-            log.info("step %d | loss %.4f | lr %.2e | %.0f tok/s | %.3f s/step | peak mem %.2f GiB | act %.1f MiB",
-                     row["step"], row["loss"], row["lr"], row["tokens_per_s"], row["step_time_s"], mem,
-                     row["activation_bytes"] / 2**20)
-
-    def advance(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, Any]:
-    """Train per `cfg`, writing metrics.jsonl and summary.json into `run_dir`; returns the summary."""
-    world_size = launch_from_env().world_size
-    validate(cfg, world_size)
-    if cfg.ac.mode == "memory_budget" and cfg.ac.memory_budget == "auto":
-        # planned on fake tensors before the real process group exists; every rank gets the same answer
-        from membudget.plan import choose_budget
-
-        budget, plan = choose_budget(cfg, world_size)
-        cfg.ac.memory_budget = budget
-        log.info("ac.memory_budget=auto -> %s: planned peak %.2f of %.2f GiB per rank, recompute %.0f%% of forward",
-                 budget, plan.peak / 2**30, plan.target / 2**30, 100 * plan.recompute_ratio)
-    run_dir = Path(run_dir)
-    checkpointer = Checkpointer(run_dir, cfg.checkpoint)
-    checkpointer.check_writable()
-    resume = checkpointer.resume_path()
-    device = pick_device(cfg.train.device)
-    tokenizer = build_tokenizer(cfg.tokenizer)
-    vocab_size_check(tokenizer, cfg.model.vocab_size)
-    launch = init_distributed(device, cfg.parallelism.timeout_s)
-    mesh = build_mesh(cfg.parallelism, launch, device)
-    dp_rank, dp_size = dp_coordinates(mesh)
-    batches = TokenBatches(cfg.data, tokenizer, cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.seed,
-                           dp_rank=dp_rank, dp_size=dp_size)
-
-    # read (and rewind) the first batch now: data with no text at all fails before any artefact is written
-    start = batches.state_dict()
-    next(batches)
-    batches.load_state_dict(start)
-
-    # only rank 0 writes run artefacts; every rank logs to its own stream
-    wandb_id = read_train_state(resume)[1].get("wandb_id") if resume else None
-    wandb_run = init_wandb(cfg, run_dir, wandb_group, resume_id=wandb_id) if launch.is_main else None
-    summary: dict[str, Any] = {"status": "failed"}
-    stop = StopSignal()
-    try:
-        with compiler_scope(cfg.ac, run_dir):
-            summary = _train_loop(cfg, run_dir, device, launch, mesh, batches, wandb_run, checkpointer, resume,
-                                  stop)
-    except Preempted as e:
-        summary = {"status": "preempted", "error": str(e)}
-    except BaseException as e:
-        summary["error"] = f"{type(e).__name__}: {e}"
-        raise
-    finally:
-        if launch.is_main:
-            summary.update(_summary_header(cfg, launch, wandb_run))
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if wandb_run is not None:
-            wandb_run.summary.update({k: v for k, v in summary.items() if k not in ("config", "wandb")})
-            wandb_run.finish(exit_code=0 if summary["status"] in ("completed", "preempted") else 1)
-        stop.restore()
-    if summary["status"] == "preempted":
-        stop.hand_over()  # submitit requeues the job (rank 0) and exits; the requeued job resumes
-        raise SystemExit(0)
-    return summary
+def _agree_on_run_dir(run_dir: Path, launch: Launch) -> Path:
+    """Rank 0's run dir for every rank: its name comes from what the job shares, but a rank whose own
+    resolved dir differs (a node's clock, another launcher) follows rank 0 and logs there."""
+    chosen = Path(broadcast_object(str(run_dir), torch.device("cpu")))
+    if chosen != Path(run_dir):
+        log.warning("rank %d resolved run dir %s, rank 0 %s: writing to rank 0's", launch.rank, run_dir, chosen)
+        chosen.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(chosen / f"train_rank{launch.rank}.log")
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        logging.getLogger().addHandler(handler)
+    return chosen
 
 
 def _kept_metrics(run_dir: Path, n: int, is_main: bool) -> list[dict[str, Any]]:
     """The first n metrics rows, those up to the checkpoint; rank 0 drops the rest, as those steps run again."""
+    import json
+
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines(keepends=True)[:n] if path.exists() else []
     if is_main:
-        path.with_suffix(".tmp").write_text("".join(lines))
-        os.replace(path.with_suffix(".tmp"), path)
+        tmp = path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(lines))
+        os.replace(tmp, path)
     return [json.loads(line) for line in lines]
 
 
-def _summary_header(cfg, launch: Launch, wandb_run) -> dict[str, Any]:
+def _resume(cfg, checkpointer: Checkpointer, model, optimizer, scheduler) -> Optional[dict]:
+    """Restore the checkpoint to continue from, if any, after checking that this run's config may continue
+    it: what changes the model or the data stream is refused; the optimizer's and the schedule's settings
+    are applied (and logged); the rest (AC, compile, layout, logging) is allowed."""
+    if cfg.checkpoint.resume == "never":
+        return None
+    now = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+    def accept(state: dict) -> None:
+        refused, applied, allowed = config_changes(state.get("config"), now)
+        if refused:
+            raise UserError(f"checkpoint.resume={cfg.checkpoint.resume!r}: the checkpoint at step {state['step']} was "
+                            f"trained with other settings that change the model or the data ({'; '.join(refused)}); "
+                            "set them back, or start fresh with checkpoint.resume=never "
+                            "checkpoint.archive_old_run=true")
+        for change in applied:
+            log.warning("resuming with a changed setting, which takes effect now: %s", change)
+        for change in allowed:
+            log.info("resuming with a changed setting that leaves the math alone: %s", change)
+        if state["step"] > cfg.train.steps:
+            raise UserError(f"train.steps={cfg.train.steps}: the checkpoint to resume is at step {state['step']}; "
+                            f"set train.steps={state['step']} or more to continue it")
+
+    path = None if cfg.checkpoint.resume == "auto" else Path(cfg.checkpoint.resume)
+    restored = checkpointer.restore(model, optimizer, scheduler, path=path, accept=accept)
+    if restored is None:
+        return None
+    _apply_optimizer_settings(cfg, optimizer, scheduler)
+    return restored[1]
+
+
+def _apply_optimizer_settings(cfg, optimizer, scheduler) -> None:
+    """The configured optimizer and LR peak, over what the checkpoint's param groups hold (the schedule's shape
+    is code, taken from this config already)."""
+    o = cfg.optimizer
+    for group, decay in zip(optimizer.param_groups, (o.weight_decay, 0.0)):
+        group.update(betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=decay, initial_lr=o.lr)
+    scheduler.base_lrs = [o.lr for _ in optimizer.param_groups]
+    for group, lr_lambda in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = o.lr * lr_lambda(scheduler.last_epoch)
+
+
+def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.ExitStack) -> Run:
+    """Build the run; every check that can fail is done before anything is written into the run dir."""
+    launch = launch_from_env()
+    warn_if_unused_allocation()
+    validate(cfg, launch.world_size)
+    if launch.world_size == 1 and cfg.parallelism.name != "single":
+        log.warning("parallelism=%s on one process: nothing is sharded or replicated; launch it with "
+                    "`torchrun --nproc-per-node N train.py ...` or `srun`", cfg.parallelism.name)
+    if cfg.ac.mode == ACMode.memory_budget and cfg.ac.memory_budget == "auto":
+        _choose_budget(cfg, launch)
+    device = pick_device(str(cfg.train.device), launch)
+    init_distributed(launch, device, cfg.parallelism.timeout_s)  # once per process: a multirun's jobs share it
+    quiet_console(launch.is_main)
+    run_dir = _agree_on_run_dir(Path(run_dir), launch)
+    shape = StepShape.from_config(cfg, launch.world_size)
+    numerics = Numerics.for_target(cfg, device.type, torch.cuda.get_device_capability(device)
+                                   if device.type == "cuda" else (0, 0))
+    check_fits(cfg, shape, device, launch.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    vocab_size_check(tokenizer, cfg.model.vocab_size)
+    mesh = build_mesh(cfg.parallelism, launch, device)
+    dp_rank, dp_size = dp_coordinates(mesh)
+    batches = TokenBatches(cfg.data, tokenizer, cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.seed,
+                           dp_rank=dp_rank, dp_size=dp_size)
+    # read (and rewind) the first batch now: data with no text at all fails before any artefact is written
+    first = batches.state_dict()
+    next(batches)
+    batches.load_state_dict(first)
+
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, device, mesh, numerics)
+    optimizer, scheduler = build_optimizer(model, cfg)
+
+    lock = RunDirLock(run_dir)  # the first write into the run dir
+    _on_rank0(lock.acquire)
+    stack.callback(lock.release)
+    # fp32 weights and AdamW's two moments: what each rank writes per save
+    state_bytes = 3 * sum(local_tensor(p).nbytes for p in {id(p): p for p in model.parameters()}.values())
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint, timeout_s=cfg.checkpoint.timeout_s
+                                or save_seconds(state_bytes, cfg.checkpoint.write_gbps))
+    checkpointer.check_writable()
+    state = _resume(cfg, checkpointer, model, optimizer, scheduler)
+    if state is None:
+        _on_rank0(lambda: start_fresh(run_dir, cfg.checkpoint.resume, cfg.checkpoint.archive_old_run))
+    else:
+        batches.load_state_dict(state["extra"]["data"])
+    wandb_run = None
+    if launch.is_main:
+        wandb_run = init_wandb(cfg, run_dir, wandb_group, resume_id=state["extra"].get("wandb_id") if state else None)
+    prefetcher = Prefetcher(batches, cfg.data.prefetch, pin=device.type == "cuda")
+    stack.callback(prefetcher.close)
+    rows = _kept_metrics(run_dir, state["extra"]["metrics_rows"] if state else 0, launch.is_main)
+    return Run(cfg, run_dir, launch, device, mesh, shape, numerics, model, optimizer, scheduler, prefetcher,
+               ActivationCounter(model), checkpointer, MetricsWriter(run_dir, wandb_run) if launch.is_main else None,
+               wandb_run, start_step=state["step"] if state else 0, rows=rows,
+               flops_per_token=flops_per_token(model, shape.seq_len),
+               peak_flops=device_peak_flops(device, numerics.bf16, cfg.train.peak_flops))
+
+
+def _choose_budget(cfg, launch: Launch) -> None:
+    """ac.memory_budget=auto: planned on fake tensors before the real process group exists; every rank gets
+    the same answer."""
+    from membudget.plan import choose_budget
+
+    budget, plan = choose_budget(cfg, launch.world_size)
+    cfg.ac.memory_budget = budget
+    log.info("ac.memory_budget=auto -> %s: %s", budget, plan.summary_line())
+
+
+# --- one step ------------------------------------------------------------------------------------------------
+
+def train_step(run: Run) -> StepResult:
+    """One optimizer step's forward and backward over its micro-batches, and the gradient clip."""
+    inputs, labels = next(run.batches)
+    inputs = inputs.to(run.device, non_blocking=True)
+    labels = labels.to(run.device, non_blocking=True)
+    micro, n_micro = run.shape.micro_batch, run.shape.n_micro
+    loss_sum = torch.zeros((), device=run.device)
+    activation_bytes, per_block = 0, []
+    for i, (x, y) in enumerate(zip(inputs.split(micro), labels.split(micro))):
+        with gradient_sync(run.model, run.mesh, last=i == n_micro - 1):
+            loss, nbytes = forward_backward(run.model, x, y, run.counter, run.numerics.context(run.device.type),
+                                            scale=1 / n_micro)
+        if nbytes >= activation_bytes:  # activations live from one micro-batch's forward to its backward
+            activation_bytes, per_block = nbytes, _blocks(run.counter.last_per_block, run.model)
+        loss_sum += loss
+    grad_norm = clip_grad_norm(run.model, run.cfg.train.max_grad_norm)
+    return StepResult(loss_sum / n_micro, grad_norm, activation_bytes, per_block)
+
+
+def _blocks(per_block: dict, model) -> list[int]:
+    return [per_block.get(i, 0) for i in range(len(model.layers))]
+
+
+def apply_step(run: Run, result: StepResult, stop: StopSignals, step: int) -> tuple[bool, Optional[str]]:
+    """The optimizer step, unless the loss or the gradient norm is not finite: then the step is skipped (its
+    gradients dropped, the schedule not advanced) and, unless train.on_nonfinite=skip allows another one, the
+    run is to stop. The step's one host sync reads that verdict, together with whether any rank was asked to
+    stop. Returns (stop after this step, why the run diverged or None)."""
+    bad = ~(torch.isfinite(result.loss) & torch.isfinite(result.grad_norm))
+    flags = torch.stack([bad.float(), torch.tensor(float(stop.received is not None), device=run.device)])
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    nonfinite, stop_now = (v > 0 for v in flags.tolist())
+    if not nonfinite:
+        run.skipped_in_a_row = 0
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.scheduler.step()
+        return stop_now, None
+    run.optimizer.zero_grad(set_to_none=True)
+    run.skipped_in_a_row += 1
+    run.skipped_total += 1
+    result.skipped = True
+    t = run.cfg.train
+    if t.on_nonfinite == NonFinite.skip and run.skipped_in_a_row <= t.max_skipped_steps:
+        log.warning("step %d: loss or gradient norm is not finite: skipped (%d in a row, at most %d)", step,
+                    run.skipped_in_a_row, t.max_skipped_steps)
+        return stop_now, None
+    why = (f"loss={local_tensor(result.loss).item()}, grad_norm={result.grad_norm.item()} at train step {step}: "
+           f"training diverged; the optimizer did not step on it and no checkpoint holds it; lower optimizer.lr "
+           f"(now {run.cfg.optimizer.lr}) or train.max_grad_norm, or check the data")
+    if t.on_nonfinite == NonFinite.skip:
+        why += f" ({run.skipped_in_a_row} steps in a row were not finite: train.max_skipped_steps)"
+    return True, why
+
+
+def log_step(run: Run, step: int, result: StepResult, lr: float, seconds_per_step: float) -> dict[str, Any]:
+    """One metrics row, reduced over ranks: the mean loss, the slowest rank's step time and the largest rank's
+    memory (per rank figures). The interval's peak memory is reset for the next row."""
+    (loss,) = all_reduce([local_tensor(result.loss).item()], dist.ReduceOp.SUM, run.device)
+    loss /= run.launch.world_size  # TP peers hold equal losses: the mean over data-parallel ranks
+    memory = peak_memory(run.device)
+    maxima = all_reduce([seconds_per_step, result.activation_bytes, *memory.values(), *result.per_block],
+                        dist.ReduceOp.MAX, run.device)
+    seconds, activation_bytes = maxima[0], int(maxima[1])
+    memory = dict(zip(memory, map(int, maxima[2:2 + len(memory)])))
+    reset_peak_memory(run.device)
+    tokens_per_s = run.shape.tokens_per_step / seconds
+    per_device = tokens_per_s / run.launch.world_size
+    flops, peak_flops = run.flops_per_token, run.peak_flops
+    row = {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": result.grad_norm.item(),
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": per_device,
+        "step_time_s": seconds,
+        "activation_bytes": activation_bytes,
+        "activation_bytes_per_block": [int(b) for b in maxima[2 + len(memory):]],
+        **memory,
+        "mfu": per_device * flops / peak_flops if peak_flops else None,
+        "skipped": result.skipped,
+    }
+    run.rows.append(row)
+    if run.writer is not None:
+        try:
+            run.writer.write(row)
+        except OSError as e:
+            raise UserError(f"train.log_every={run.cfg.train.log_every}: could not write {run.writer.path} "
+                            f"({e.strerror or e}); free space, then rerun the same command to resume") from None
+    return row
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    extra = {"data": run.batches.state_dict(), "metrics_rows": len(run.rows),
+             "wandb_id": run.wandb_run.id if run.wandb_run is not None else None}
+    config = OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True)
+    run.checkpointer.save(step, run.model, run.optimizer, run.scheduler, extra, config)
+
+
+# --- the loop ------------------------------------------------------------------------------------------------
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnostics) -> None:
+    t = run.cfg.train
+    interval_start, interval_steps = time.perf_counter(), 0
+    for step in range(run.start_step + 1, t.steps + 1):
+        first = step == run.start_step + 1
+        if first and compile_enabled(run.cfg):
+            log.info("compiling %d blocks (%s) in the first step: it takes longer, and is kept out of the "
+                     "median tokens/s", run.cfg.model.n_layers, run.cfg.compile.backend)
+        result = train_step(run)
+        lr = run.optimizer.param_groups[0]["lr"]  # what this step's optimizer step uses
+        stop_now, diverged = apply_step(run, result, stop, step)
+        interval_steps += 1
+        progress.advance(1)
+        if first and compile_enabled(run.cfg):
+            run.compile_s = time.perf_counter() - interval_start
+            log.info("step %d with compilation took %.1f s; saved activations per block: %s", step, run.compile_s,
+                     ", ".join(f"{b / 2**20:.2f} MiB" for b in result.per_block))
+        if step % t.log_every == 0 or step == t.steps or stop_now or result.skipped:
+            _sync(run.device)
+            seconds = (time.perf_counter() - interval_start) / interval_steps
+            progress.update(log_step(run, step, result, lr, seconds))
+            interval_start, interval_steps = time.perf_counter(), 0
+        if diverged:
+            raise LossNotFinite(diverged)
+        if run.cfg.checkpoint.enabled and (stop_now or run.checkpointer.due(step, t.steps)):
+            save_checkpoint(run, step)
+        diagnostics.on_step_end(step)
+        if stop_now:
+            saved = "checkpoint saved" if run.cfg.checkpoint.enabled else "checkpointing is off"
+            name = signal.Signals(stop.received).name if stop.received else "a signal"
+            raise Stopped(stop.status, name, f"stopped by {name} after step {step}, {saved}")
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    rows = [r for r in run.rows if r.get("loss") is not None]
+    # the first logged steps include compilation: leave them out of the medians when there are enough
+    steady = rows[len(rows) // 4:] if len(rows) >= 4 else rows
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
     return {
-        "world_size": launch.world_size,
-        "ac_mode": cfg.ac.mode,
-        "memory_budget": float(cfg.ac.memory_budget) if cfg.ac.mode == "memory_budget" else None,
-        "selective_option": str(cfg.ac.selective_option) if cfg.ac.mode == "selective" else None,
+        "status": "completed",
+        "num_params": num_params(run.model),
+        "param_bytes_per_rank": sum(local_tensor(p).nbytes for p in {id(p): p for p in run.model.parameters()}.values()),
+        "steps": run.cfg.train.steps,
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
+        "median_step_time_s": statistics.median(r["step_time_s"] for r in steady) if steady else None,
+        "peak_memory_bytes": max((r["peak_memory_bytes"] for r in run.rows), default=None),
+        "steady_peak_memory_bytes": max((r["peak_memory_bytes"] for r in steady), default=None),
+        "activation_bytes": run.rows[-1]["activation_bytes"] if run.rows else None,
+        "activation_bytes_per_block": run.rows[-1].get("activation_bytes_per_block") if run.rows else None,
+        "mfu": statistics.median(mfus) if mfus else None,
+        "skipped_steps": run.skipped_total,
+        "compile_s": run.compile_s,
+    }
+
+
+def _summary_header(cfg, world_size: int, wandb_run) -> dict[str, Any]:
+    budget = budget_of(cfg.ac)
+    return {
+        "world_size": world_size,
+        "ac_mode": str(cfg.ac.mode),
+        "ac_label": ac_label(cfg.ac),
+        "memory_budget": float(budget) if isinstance(budget, (int, float)) else budget,
+        "selective_option": str(cfg.ac.selective_option) if cfg.ac.mode == ACMode.selective else None,
         "compile": compile_enabled(cfg),
         "wandb": None if wandb_run is None else {
             "project": wandb_run.project, "entity": wandb_run.entity, "group": wandb_run.group, "id": wandb_run.id,
             "dir": wandb_run.dir,
         },
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
     }
 
 
-def _train_loop(cfg, run_dir: Path, device: torch.device, launch: Launch, mesh, batches: TokenBatches,
-                wandb_run, checkpointer: Checkpointer, resume: Optional[Path], stop: StopSignal) -> dict[str, Any]:
-    t = cfg.train
-    torch.manual_seed(t.seed)
-    model = build_model(cfg, device, mesh)
-    n_params = num_params(model)
-    local_param_bytes = sum(local_tensor(p).nbytes for p in model.parameters())
-    log.info("model %s: %s parameters (%.1f MiB on this rank), ac=%s, compile=%s, parallelism=%s on %s, rank %d/%d pid %d",
-             cfg.model.name, f"{n_params:,}", local_param_bytes / 2**20, cfg.ac.mode,
-             cfg.compile.backend if compile_enabled(cfg) else "off", cfg.parallelism.name, device, launch.rank,
-             launch.world_size, os.getpid())
-    optimizer, scheduler = build_optimizer(model, cfg)
-    counter = ActivationCounter(model)
-    writer = MetricsWriter(run_dir, wandb_run) if launch.is_main else None
-
-    use_bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    local_batch = t.global_batch_size // dp_coordinates(mesh)[1]
-    micro = t.micro_batch_size or local_batch
-    n_micro = local_batch // micro
-    tokens_per_step = t.global_batch_size * t.seq_len
-    args = model.args
-    flops_tok = flops_per_token(n_params, args.n_layers, args.n_heads, args.head_dim, t.seq_len)
-    peak_flops = device_peak_flops(device, t.peak_flops)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-    done, kept_rows = 0, 0  # steps already trained and metrics rows kept, by the run this one resumes
-    if resume is not None:
-        done, extra = checkpointer.load(resume, model, optimizer, scheduler)
-        batches.load_state_dict(extra["data"])
-        kept_rows = extra["metrics_rows"]
-    # rows past the checkpoint (or all, when starting afresh in this dir) are trained again: drop them
-    rows = _kept_metrics(run_dir, kept_rows, launch.is_main)
-    progress = Progress(t.progress if launch.is_main else "lines", t.steps)
-    progress.advance(done)
+def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, Any]:
+    """Train per `cfg`, writing metrics.jsonl and summary.json into `run_dir`; returns the summary. Raises
+    UserError for what the user can fix, Stopped after SIGTERM/Ctrl-C (checkpoint and summary written); after
+    SLURM's USR2 it hands over to submitit, which requeues the job."""
+    summary: dict[str, Any] = {"status": "failed"}
+    stop = StopSignals()
+    run: Optional[Run] = None
+    stopped: Optional[Stopped] = None
     try:
-        for step in range(done + 1, t.steps + 1):
-            start = time.perf_counter()
-            inputs, labels = next(batches)
-            inputs, labels = inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            loss_sum = torch.zeros((), device=device)
-            activation_bytes = 0
-            for x, y in zip(inputs.split(micro), labels.split(micro)):
-                # activations live from one micro-batch's forward to its backward: keep the max
-                loss, nbytes = forward_backward(model, x, y, counter, autocast, scale=1 / n_micro)
-                activation_bytes = max(activation_bytes, nbytes)
-                loss_sum += loss
-            grad_norm = clip_grad_norm(model, t.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            # the mean over data-parallel ranks (TP peers hold equal losses); syncs, so the timing is complete
-            (loss_value,) = all_reduce([(loss_sum / n_micro).item()], dist.ReduceOp.SUM, device)
-            loss_value /= launch.world_size
-            step_time = time.perf_counter() - start
-            if not math.isfinite(loss_value):
-                raise LossNotFinite(
-                    f"loss={loss_value} at train step {step}: training diverged; lower optimizer.lr "
-                    f"(now {cfg.optimizer.lr}) or train.max_grad_norm, or check the data"
-                )
-            progress.advance(1)
-            if step % t.log_every == 0 or step == t.steps:
-                # memory is per rank: report the largest rank's, and its slowest step
-                memory = peak_memory(device)
-                maxima = all_reduce([step_time, activation_bytes, *memory.values()], dist.ReduceOp.MAX, device)
-                step_time, activation_bytes = maxima[0], int(maxima[1])
-                memory = dict(zip(memory, map(int, maxima[2:])))
-                tokens_per_s = tokens_per_step / step_time
-                row = {
-                    "step": step,
-                    "loss": loss_value,
-                    "lr": lr,
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_s": tokens_per_s,
-                    "tokens_per_s_per_device": tokens_per_s / launch.world_size,
-                    "step_time_s": step_time,
-                    "activation_bytes": activation_bytes,
-                    **memory,
-                    "mfu": tokens_per_s / launch.world_size * flops_tok / peak_flops if peak_flops else None,
-                }
-                rows.append(row)
-                if writer is not None:
-                    writer.write(row)
-                progress.update(row)
-            # every rank must take part in a save: a signal seen by any rank stops all
-            stop_now = all_reduce([float(stop.received)], dist.ReduceOp.MAX, device)[0] > 0
-            if cfg.checkpoint.enabled and (stop_now or checkpointer.due(step, t.steps)):
-                extra = {"data": batches.state_dict(), "metrics_rows": len(rows),
-                         "wandb_id": wandb_run.id if wandb_run is not None else None}
-                checkpointer.save(step, model, optimizer, scheduler, extra)
-            if stop_now:
-                raise Preempted(f"stopped by a SLURM signal after step {step}"
-                                + (", checkpoint saved" if cfg.checkpoint.enabled else ", checkpointing is off"))
+        with contextlib.ExitStack() as stack:
+            try:
+                run = setup(cfg, Path(run_dir), wandb_group, stack)
+                log.info("model %s: %s parameters (%.1f MiB on this rank), %s, parallelism=%s on %s, rank %d/%d "
+                         "pid %d", cfg.model.name, f"{num_params(run.model):,}",
+                         sum(local_tensor(p).nbytes for p in run.model.parameters()) / 2**20, run.label,
+                         cfg.parallelism.name, run.device, run.launch.rank, run.launch.world_size, os.getpid())
+                diagnostics = Diagnostics(cfg.diagnostics, run.run_dir, run.device, run.launch.rank,
+                                          steps=cfg.train.steps - run.start_step)
+                stack.callback(diagnostics.close)  # also when the loop fails: an OOM's snapshot is the one wanted
+                progress = Progress(str(cfg.train.progress) if run.launch.is_main else "lines", cfg.train.steps,
+                                    run.start_step, run.label)
+                try:
+                    with compiler_scope(cfg.ac, run.run_dir, cfg.model.n_layers):
+                        loop(run, stop, progress, diagnostics)
+                finally:
+                    progress.close()
+                summary = summarize(run)
+                log.info("done: %s; final loss %s, median %.0f tok/s (compilation excluded), activations %.1f MiB, "
+                         "peak memory %.2f GiB", run.label, summary["final_loss"], summary["median_tokens_per_s"] or 0,
+                         (summary["activation_bytes"] or 0) / 2**20, (summary["peak_memory_bytes"] or 0) / 2**30)
+            except Stopped as e:
+                summary, stopped = {**summarize(run), "status": e.status, "stopped": str(e)}, e
+            except BaseException as e:
+                summary["error"] = f"{type(e).__name__}: {e}"
+                if isinstance(e, KeyboardInterrupt):
+                    summary["status"] = "interrupted"
+                raise
+            finally:
+                if run is not None:
+                    _finish(run, summary)
     finally:
-        progress.close()
-
-    # the first logged steps include compilation: leave them out of the medians when there are enough
-    steady = rows[len(rows) // 4:] if len(rows) >= 4 else rows
-    mfus = [r["mfu"] for r in steady if r["mfu"] is not None]
-    summary = {
-        "status": "completed",
-        "num_params": n_params,
-        "param_bytes_per_rank": local_param_bytes,
-        "steps": t.steps,
-        "final_loss": rows[-1]["loss"],
-        "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
-        "median_step_time_s": statistics.median(r["step_time_s"] for r in steady),
-        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in rows),
-        "activation_bytes": rows[-1]["activation_bytes"],
-        "mfu": finite_or_none(statistics.median(mfus)) if mfus else None,
-    }
-    log.info("done: final loss %.4f, median %.0f tok/s, activations %.1f MiB, peak memory %.2f GiB",
-             summary["final_loss"], summary["median_tokens_per_s"], summary["activation_bytes"] / 2**20,
-             summary["peak_memory_bytes"] / 2**30)
+        requeue = stop.previous.get(signal.SIGUSR2)
+        stop.restore()
+    if stopped is not None and stopped.status == "preempted":
+        if callable(requeue):
+            requeue(signal.SIGUSR2, None)  # submitit's handler: requeue the job (rank 0), then exit
+        raise SystemExit(0)
+    if stopped is not None:
+        raise stopped
     return summary
+
+
+def _finish(run: Run, summary: dict[str, Any]) -> None:
+    """summary.json (rank 0, atomically) and the W&B run's end, whatever happened."""
+    if run.launch.is_main:
+        summary.update(_summary_header(run.cfg, run.launch.world_size, run.wandb_run))
+        try:
+            write_json(run.run_dir / "summary.json", summary)
+        except OSError as e:
+            log.error("could not write %s (%s)", run.run_dir / "summary.json", e.strerror or e)
+    if run.wandb_run is not None:
+        run.wandb_run.summary.update({k: v for k, v in summary.items() if k not in ("config", "wandb")})
+        run.wandb_run.finish(exit_code=0 if summary["status"] in ("completed", "preempted", "interrupted") else 1)

@@ -1,11 +1,13 @@
-"""How long the planner takes: one setting, and the 11-point budget sweep that ac.memory_budget=auto runs.
+"""How long the planner takes, and how close it comes to public GPU measurements.
 
     python scripts/bench_plan.py                      # Llama 3 8B, seq 8192, FSDP over 64 ranks, 2 threads
-    python scripts/bench_plan.py parallelism.dp_shard=8 plan.world_size=8 train.global_batch_size=8
+    python scripts/bench_plan.py plan.world_size=8 train.global_batch_size=8
+    python scripts/bench_plan.py --evidence           # every row of docs/planner/evidence.csv: prediction, error
 
-Extra arguments are Hydra overrides on top of that setting. Targets (issue 5): one setting under a minute,
-the sweep under five, on 2 CPU cores. Each is timed in a fresh Planner, so it pays for building the sharded
-model, the optimizer states and the ac=none reference as a user's command would (not Python's start-up).
+Extra arguments are Hydra overrides on top of that setting. Targets (issue 14): one setting under a minute, the
+11-point budget sweep under five, on 2 CPU cores. Each is timed in a fresh Planner, so it pays for the probes, the
+optimizer step and the ac=none reference as a user's command would (not Python's start-up). --evidence writes
+docs/planner/evidence.md, the table the README's planner section shows.
 """
 
 from __future__ import annotations
@@ -21,33 +23,75 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from membudget.config import register_configs  # noqa: E402
 from membudget.plan import plan_setting, plan_sweep  # noqa: E402
+from membudget.plan.evidence import error, plan_row, rows  # noqa: E402
+from membudget.schema import register_configs  # noqa: E402
 
+GiB = 2**30
 SETTING = ["logger=none", "model=llama3_8b", "train.seq_len=8192", "parallelism=fsdp", "plan.world_size=64",
            "train.global_batch_size=64", "train.micro_batch_size=1", "ac=memory_budget", "ac.memory_budget=0.5"]
 
 
-def main() -> None:
-    torch.set_num_threads(2)
-    register_configs()
+def compose_cfg(overrides: list[str]):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=SETTING + sys.argv[1:])
-    p = cfg.parallelism
-    print(f"{cfg.model.name}, seq {cfg.train.seq_len}, parallelism={p.name} over {cfg.plan.world_size} ranks, "
-          f"{torch.get_num_threads()} threads")
+        return compose("config", overrides=list(overrides))
 
+
+def timings(overrides: list[str]) -> None:
+    cfg = compose_cfg(SETTING + overrides)
+    print(f"{cfg.model.name}, seq {cfg.train.seq_len}, parallelism={cfg.parallelism.name} over "
+          f"{cfg.plan.world_size} ranks, {torch.get_num_threads()} threads")
     start = time.perf_counter()
     plan = plan_setting(cfg)
     print(f"one setting ({plan.label}): {time.perf_counter() - start:.1f} s  (target < 60 s); "
-          f"peak {plan.peak / 2**30:.2f} GiB")
-
+          f"reserved peak {plan.reserved_peak / GiB:.2f} GiB at {plan.reserved.describe()}")
     start = time.perf_counter()
     plans = plan_sweep(cfg, references=False)
     seconds = time.perf_counter() - start
     print(f"budget sweep, {len(plans)} points: {seconds:.1f} s  (target < 300 s); per point: "
           + ", ".join(f"{p.memory_budget:g}: {p.seconds:.1f}" for p in plans))
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+
+
+def _pct(predicted, measured) -> str:
+    return "-" if predicted is None or measured is None else f"{error(predicted, measured):+.1%}"
+
+
+def evidence() -> str:
+    lines = ["| row | measured GiB | reserved peak, as run | error | with the other allocator | error | verdict | "
+             "measured tokens/s per GPU | predicted | error |", "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    plans = {}
+    for row in rows():
+        key = tuple(row.overrides())
+        if key not in plans:
+            start = time.perf_counter()
+            plans[key] = plan_row(row, lambda o: compose_cfg(o))
+            print(f"{row.id}: planned in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        plan, measured = plans[key], row.measured
+        other = plan.reserved_other.nbytes
+        measured_gib = "OOM" if row.fields["outcome"] == "oom" else "-" if measured is None else f"{measured / GiB:.2f}"
+        note = "" if row.modelled else " (not modelled: Float8)"
+        lines.append(
+            f"| {row.id}{note} | {measured_gib} | {plan.reserved_peak / GiB:.2f} | "
+            f"{_pct(plan.reserved_peak, measured)} | "
+            f"{other / GiB:.2f} | {_pct(other, measured)} | {plan.verdict} | {row.measured_speed or '-'} | "
+            f"{plan.tokens_per_s_per_device:,.0f} | {_pct(plan.tokens_per_s_per_device, row.measured_speed)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    register_configs()
+    args = sys.argv[1:]
+    if "--evidence" in args:
+        text = evidence()
+        (ROOT / "docs" / "planner" / "evidence.md").write_text(
+            "# The planner against public measurements\n\nWritten by `python scripts/bench_plan.py --evidence` "
+            "from docs/planner/evidence.csv (sources and configurations there). \"As run\": the row's allocator "
+            "setting (PyTorch's default unless the source sets PYTORCH_CUDA_ALLOC_CONF).\n\n" + text)
+        print(text)
+    else:
+        timings(args)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ import os
 import sys
 from pathlib import Path
 
-import wandb
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -32,6 +30,8 @@ def main() -> None:
         sys.exit("wandb-workspaces is not installed: pip install wandb-workspaces (or use the report's plots)")
     if os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
         sys.exit(f"WANDB_MODE={os.environ['WANDB_MODE']}: a saved workspace needs W&B online")
+    import wandb  # after the checks: a missing package or offline mode is reported at once
+
     try:
         api = wandb.Api()
     except wandb.errors.UsageError as e:

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from membudget.checkpoint import Checkpointer
 from membudget.data import TokenBatches, build_tokenizer
 from membudget.metrics import ActivationCounter
-from membudget.parallel import build_mesh, clip_grad_norm, dp_coordinates, init_distributed
-from membudget.trainer import build_model, build_optimizer, forward_backward
+from membudget.launch import init_distributed, launch_from_env
+from membudget.parallel import build_mesh, clip_grad_norm, dp_coordinates
+from membudget.step import build_model, build_optimizer, forward_backward
 from tests.conftest import compose_cfg
 
 # fp32 on CPU, no dropout: a resumed run must reproduce the uninterrupted one bit for bit
@@ -63,15 +64,17 @@ class Run:
     def save(self, checkpointer: Checkpointer, step: int) -> None:
         checkpointer.save(step, self.model, self.optimizer, self.scheduler, {"data": self.batches.state_dict()})
 
-    def load(self, checkpointer: Checkpointer, path: Path) -> tuple[int, dict]:
-        step, extra = checkpointer.load(path, self.model, self.optimizer, self.scheduler)
-        self.batches.load_state_dict(extra["data"])
-        return step, extra
+    def load(self, checkpointer: Checkpointer, path: Path | None = None) -> tuple[Path, dict]:
+        """The newest intact checkpoint (or `path`), restored: (its path, its train state)."""
+        path, state = checkpointer.restore(self.model, self.optimizer, self.scheduler, path=path)
+        self.batches.load_state_dict(state["extra"]["data"])
+        return path, state
 
 
 def main(out_dir: Path, *overrides: str) -> None:
     cfg = compose_cfg(*SMALL, *overrides)
-    launch = init_distributed(torch.device("cpu"))
+    launch = launch_from_env()
+    init_distributed(launch, torch.device("cpu"))
     mesh = build_mesh(cfg.parallelism, launch, torch.device("cpu"))
     checkpointer = Checkpointer(out_dir, cfg.checkpoint)
     checkpointer.check_writable()
@@ -82,8 +85,8 @@ def main(out_dir: Path, *overrides: str) -> None:
     uninterrupted = run.train(3)
 
     resumed = Run.build(cfg, mesh)
-    step, _ = resumed.load(checkpointer, checkpointer.latest())
-    assert step == 3
+    _, state = resumed.load(checkpointer)
+    assert state["step"] == 3
     losses = {"uninterrupted": uninterrupted, "resumed": resumed.train(3)}
     (out_dir / f"losses_rank{launch.rank}.json").write_text(json.dumps(losses))
     dist.destroy_process_group()

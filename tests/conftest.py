@@ -1,7 +1,10 @@
-"""Shared test helpers: compose the real Hydra config, run the real train.py as a subprocess."""
+"""Shared test helpers: compose the real Hydra config, train in this process, or run the real train.py as a
+subprocess where the process is the point (signals, exit codes, torchrun, SLURM)."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import subprocess
@@ -11,37 +14,62 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from membudget.config import register_configs
+from membudget.schema import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 # Fast CPU settings: the same min-cut partitioner as inductor, without code generation.
 FAST_COMPILE = "compile.backend=aot_eager_decomp_partition"
+# A tiny run: the debug model, a few short steps, nothing but the run dir on disk.
+TINY = ("logger=none", "train.steps=3", "train.seq_len=32", "train.global_batch_size=2", "train.progress=lines",
+        "data.prefetch=0")
 
 
-def compose_cfg(*overrides: str):
+def compose_cfg(*overrides: str, hydra: bool = False):
+    """The config train.py would run with these overrides (and Hydra's own node with hydra=True): a fresh copy
+    each call (composing takes Hydra ~0.15 s; the same overrides are composed once per session)."""
+    return copy.deepcopy(_compose(tuple(overrides), hydra))
+
+
+@functools.lru_cache(maxsize=None)
+def _compose(overrides: tuple[str, ...], hydra: bool):
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 
-def run_train(run_dir: Path, *overrides: str, timeout: float = 300, multirun: bool = False):
+def train_here(run_dir: Path, *overrides: str) -> dict:
+    """Train in this process, as `python train.py hydra.run.dir=<run_dir> <overrides>` would: the summary."""
+    from membudget.trainer import train
+
+    return train(compose_cfg(*overrides), Path(run_dir))
+
+
+def run_train(run_dir: Path, *overrides: str, timeout: float = 300, multirun: bool = False, env=None):
     """`python train.py <overrides>` with its outputs in run_dir; W&B offline, nothing on the network."""
     where = f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}"
     cmd = [sys.executable, str(ROOT / "train.py"), *(["-m"] if multirun else []), where, *overrides]
-    env = subprocess_env()
-    return subprocess.run(cmd, cwd=run_dir.parent, capture_output=True, text=True, timeout=timeout, env=env,
-                          stdin=subprocess.DEVNULL)
+    Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(cmd, cwd=Path(run_dir).parent, capture_output=True, text=True, timeout=timeout,
+                          env=subprocess_env(**(env or {})), stdin=subprocess.DEVNULL)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """This environment for a child `train.py`: W&B offline and quiet, with a W&B service of its own."""
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    return {**env, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", **extra}
+    """This environment for a child `train.py`: W&B offline and quiet, with a W&B service of its own, and no
+    launcher variables of an enclosing torchrun or SLURM job."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "WANDB_SERVICE" and not k.startswith(("SLURM_", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {**env, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1", **extra}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
 @pytest.fixture(autouse=True)

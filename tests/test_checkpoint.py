@@ -1,23 +1,28 @@
 """Checkpoints: a resumed run reproduces the uninterrupted one bit for bit (also FSDP under torchrun, sharded on
-disk), a killed save never costs the last good checkpoint, only the last K are kept, bad paths fail early."""
+disk); a killed or failed save never costs the last good checkpoint; a damaged checkpoint is never loaded: it is
+skipped for the newest intact one; a non-finite state is never saved; only the last K are kept."""
 
 import json
 import os
+import random
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 import membudget.checkpoint as checkpoint_module
-from membudget.checkpoint import Checkpointer, read_train_state
-from membudget.config import CheckpointConfig, UserError
+from membudget.checkpoint import MANIFEST, Checkpointer, config_changes, read_train_state, verify
+from membudget.errors import UserError
+from membudget.schema import CheckpointConfig
 from tests.checkpoint_driver import SMALL, Run
-from tests.conftest import FAST_COMPILE, ROOT, compose_cfg
+from tests.conftest import FAST_COMPILE, ROOT, compose_cfg, subprocess_env
 
 
-@pytest.mark.parametrize("ac", ["ac=none", "ac=full", "ac=memory_budget"])
+@pytest.mark.parametrize("ac", ["ac=none", "ac=full", pytest.param("ac=memory_budget", marks=pytest.mark.slow)])
 def test_resumed_run_matches_uninterrupted_run_bitwise(tmp_path, ac):
     cfg = compose_cfg(*SMALL, ac, FAST_COMPILE)
     checkpointer = Checkpointer(tmp_path, cfg.checkpoint)
@@ -29,8 +34,8 @@ def test_resumed_run_matches_uninterrupted_run_bitwise(tmp_path, ac):
     uninterrupted = run.train(3)
 
     resumed = Run.build(cfg)
-    step, extra = resumed.load(checkpointer, checkpointer.resume_path())
-    assert step == 3 and extra == {"data": {"step": 3, "epoch": 0, "doc": 0, "offset": 0}}
+    path, state = resumed.load(checkpointer)
+    assert state["step"] == 3 and state["extra"] == {"data": {"step": 3, "epoch": 0, "doc": 0, "offset": 0}}
     assert torch.equal(torch.rand(4), rand_after_save)
     assert resumed.train(3) == uninterrupted
     assert resumed.scheduler.get_last_lr() == run.scheduler.get_last_lr()
@@ -58,7 +63,7 @@ def test_killed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, cut):
             checkpointer.save(2, *tiny_run(), extra={"rows": 2})
     assert (checkpointer.dir / ".tmp_step_0000002").is_dir()
     assert checkpointer.latest() == good
-    assert checkpointer.load(good, *tiny_run()) == (1, {"rows": 1})
+    assert checkpointer.restore(*tiny_run())[1]["extra"] == {"rows": 1}
 
     checkpointer.save(3, *tiny_run(), extra={"rows": 3})
     assert sorted(p.name for p in checkpointer.dir.iterdir()) == ["step_0000003"]
@@ -68,11 +73,11 @@ def test_keeps_the_last_k_checkpoints_and_resaves_a_step(tmp_path):
     checkpointer = Checkpointer(tmp_path, CheckpointConfig(keep=2))
     for step in (1, 2, 3, 4):
         checkpointer.save(step, *tiny_run(), extra={})
-    assert [p.name for p in checkpointer.complete()] == ["step_0000003", "step_0000004"]
+    assert [p.name for p in checkpointer.saved()] == ["step_0000003", "step_0000004"]
     # after resuming from step 3, step 4 is written again: the new one replaces the old
     checkpointer.save(4, *tiny_run(), extra={"again": True})
     assert sorted(p.name for p in checkpointer.dir.iterdir()) == ["step_0000003", "step_0000004"]
-    assert checkpointer.load(checkpointer.latest(), *tiny_run()) == (4, {"again": True})
+    assert checkpointer.restore(*tiny_run())[1]["extra"] == {"again": True}
 
 
 def test_due_every_n_steps_and_at_the_last_step(tmp_path):
@@ -81,17 +86,15 @@ def test_due_every_n_steps_and_at_the_last_step(tmp_path):
     assert not Checkpointer(tmp_path, CheckpointConfig(enabled=False)).due(10, 10)
 
 
-def test_resume_modes_and_a_path_that_is_not_a_checkpoint(tmp_path):
-    assert Checkpointer(tmp_path, CheckpointConfig(resume="auto")).resume_path() is None
-    saved = Checkpointer(tmp_path, CheckpointConfig()).save(5, *tiny_run(), extra={"wandb_id": "abc"})
-    assert read_train_state(saved) == (5, {"wandb_id": "abc"})  # what the trainer needs before W&B starts
-    assert Checkpointer(tmp_path, CheckpointConfig(resume="auto")).resume_path() == saved
-    assert Checkpointer(tmp_path, CheckpointConfig(resume="never")).resume_path() is None
-    assert Checkpointer(tmp_path, CheckpointConfig(resume=str(saved))).resume_path() == saved
-    (saved / "train_state.json").unlink()
-    with pytest.raises(UserError, match=r"^checkpoint.resume=.*not a complete checkpoint"):
-        Checkpointer(tmp_path, CheckpointConfig(resume=str(saved))).resume_path()
-    assert Checkpointer(tmp_path, CheckpointConfig(resume="auto")).resume_path() is None
+def test_non_finite_state_is_never_saved(tmp_path):
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig())
+    model, optimizer, scheduler = tiny_run()
+    checkpointer.save(1, model, optimizer, scheduler, extra={})
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with pytest.raises(UserError, match=r"^checkpoint step 2: the model or optimizer state holds NaN or inf"):
+        checkpointer.save(2, model, optimizer, scheduler, extra={})
+    assert [p.name for p in checkpointer.saved()] == ["step_0000001"] and not list(checkpointer.dir.glob(".tmp*"))
 
 
 def test_unwritable_checkpoint_dir_fails_early_in_one_line(tmp_path):
@@ -104,16 +107,110 @@ def test_unwritable_checkpoint_dir_fails_early_in_one_line(tmp_path):
     Checkpointer(blocker / "run", CheckpointConfig(enabled=False)).check_writable()  # nothing to write
 
 
-def test_bad_keep_is_a_user_error(tmp_path):
-    with pytest.raises(UserError, match=r"^checkpoint.keep=0: must be at least 1"):
-        Checkpointer(tmp_path, CheckpointConfig(keep=0))
+# --- damaged checkpoints ---------------------------------------------------------------------------------------
+
+def corrupt(path: Path, rng: random.Random) -> str:
+    """One random damage to a checkpoint dir: truncate, delete, garbage or flipped bits, in any of its files."""
+    target = rng.choice(sorted(p for p in path.iterdir() if p.is_file()))
+    kind = rng.choice(["truncate", "delete", "garbage", "bitflip"])
+    data = target.read_bytes()
+    if kind == "delete":
+        target.unlink()
+    elif kind == "truncate":
+        target.write_bytes(data[:rng.randrange(len(data))])
+    elif kind == "garbage":
+        target.write_bytes(bytes(rng.randrange(256) for _ in range(max(1, len(data)))))
+    else:
+        flipped = bytearray(data)
+        i = rng.randrange(len(flipped))
+        flipped[i] ^= 1 << rng.randrange(8)
+        target.write_bytes(bytes(flipped))
+    return f"{kind} {target.name}"
 
 
+def test_every_damage_is_found_by_the_manifest(tmp_path):
+    """Sizes and CRC32s of every file, written last: truncation, deletion, garbage and single flipped bits in
+    .distcp, .metadata, train_state.json, the RNG states or the manifest itself are all caught."""
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(keep=1))
+    good = checkpointer.save(1, *tiny_run(), extra={})
+    assert verify(good) is None
+    rng = random.Random(0)
+    damaged = set()
+    for i in range(40):
+        copy = tmp_path / f"copy{i}"
+        shutil.copytree(good, copy)
+        what = corrupt(copy, rng)
+        assert verify(copy) is not None, what
+        damaged.add(what.split()[1])
+    assert {".metadata", "__0_0.distcp", "train_state.json", "rng_rank0.pt", MANIFEST} <= damaged
+
+
+@pytest.mark.slow
+def test_random_damage_resumes_from_the_newest_intact_checkpoint(tmp_path):
+    """20+ random corruptions of the newest checkpoint: each resume uses the one before it and reproduces the
+    uninterrupted run's losses; damage to both is one line. Zero tracebacks, zero silent loads."""
+    cfg = compose_cfg(*SMALL)
+    uninterrupted = Run.build(cfg)
+    reference = uninterrupted.train(6)
+    source = tmp_path / "source"
+    checkpointer = Checkpointer(source, CheckpointConfig(keep=2))
+    run = Run.build(cfg)
+    run.train(2)
+    run.save(checkpointer, 2)
+    run.train(2)
+    run.save(checkpointer, 4)
+    rng = random.Random(1)
+    for i in range(20):
+        trial = tmp_path / f"trial{i}"
+        shutil.copytree(source, trial)
+        corrupt(trial / "checkpoints" / "step_0000004", rng)
+        resumed = Run.build(cfg)
+        path, state = resumed.load(Checkpointer(trial, CheckpointConfig(keep=2)))
+        assert path.name == "step_0000002" and state["step"] == 2
+        assert resumed.train(4) == reference[2:]
+    both = tmp_path / "both"
+    shutil.copytree(source, both)
+    for step in (2, 4):
+        corrupt(both / "checkpoints" / f"step_{step:07d}", rng)
+    with pytest.raises(UserError) as err:
+        Run.build(cfg).load(Checkpointer(both, CheckpointConfig()))
+    message = str(err.value)
+    assert message.startswith("checkpoint.resume='auto': no intact checkpoint") and "\n" not in message
+    assert "step_0000004" in message and "step_0000002" in message
+
+
+def test_a_path_that_is_not_a_checkpoint(tmp_path):
+    assert Checkpointer(tmp_path, CheckpointConfig()).restore(*tiny_run()) is None  # nothing to resume
+    saved = Checkpointer(tmp_path, CheckpointConfig()).save(5, *tiny_run(), extra={"wandb_id": "abc"})
+    assert read_train_state(saved)["extra"] == {"wandb_id": "abc"}  # what the trainer needs before W&B starts
+    (saved / "train_state.json").unlink()
+    with pytest.raises(UserError, match=r"^checkpoint.resume=.*cannot resume from it \(train_state.json is missing"):
+        Checkpointer(tmp_path, CheckpointConfig()).restore(*tiny_run(), path=saved)
+
+
+def test_config_changes_are_classified():
+    old = {"model": {"dim": 128, "n_layers": 4}, "optimizer": {"lr": 1e-3}, "ac": {"mode": "none"},
+           "train": {"seq_len": 64, "steps": 10, "log_every": 1}, "data": {"name": "pydoc", "prefetch": 2}}
+    new = json.loads(json.dumps(old))
+    new["model"]["n_layers"] = 2
+    new["train"]["seq_len"] = 32
+    new["optimizer"]["lr"] = 2e-3
+    new["train"]["steps"] = 20
+    new["ac"]["mode"] = "full"
+    new["data"]["prefetch"] = 0
+    refused, applied, allowed = config_changes(old, new)
+    assert refused == ["model.n_layers: 4 -> 2", "train.seq_len: 64 -> 32"]
+    assert applied == ["optimizer.lr: 0.001 -> 0.002", "train.steps: 10 -> 20"]
+    assert allowed == ["ac.mode: 'none' -> 'full'", "data.prefetch: 2 -> 0"]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
 def test_fsdp_checkpoint_is_sharded_and_resumes_bitwise_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "tests.checkpoint_driver", str(tmp_path), "parallelism=fsdp"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=subprocess_env(),
+                          stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         losses = json.loads((tmp_path / f"losses_rank{rank}.json").read_text())
@@ -121,8 +218,11 @@ def test_fsdp_checkpoint_is_sharded_and_resumes_bitwise_under_torchrun(tmp_path)
 
     saved = tmp_path / "checkpoints" / "step_0000003"
     files = sorted(p.name for p in saved.iterdir())
-    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "rng_rank0.pt", "rng_rank1.pt", "train_state.json"]
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST, "rng_rank0.pt", "rng_rank1.pt",
+                     "train_state.json"]
+    assert verify(saved) is None  # both ranks' checksums made it into the manifest
     # each rank wrote its own half of every weight: two chunks per tensor, one per rank
     metadata = FileSystemReader(saved).read_metadata().state_dict_metadata
     weight = metadata["model.layers.0.attention.wq.weight"]
     assert [chunk.sizes[0] for chunk in weight.chunks] == [weight.size[0] // 2] * 2
+    assert os.path.getsize(saved / "__0_0.distcp") > 0

@@ -1,33 +1,41 @@
-"""Tokenizers, datasets and batches: CPU only, local files only (no network), a few seconds in all."""
+"""Tokenizers, datasets, batches and their prefetching: CPU only, local files only (no network), a few seconds."""
 
 import base64
+import importlib.util
 import json
-import os
+import re
+import sys
+import time
 
+import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from membudget.config import DataConfig, TokenizerConfig, UserError, register_configs
+import membudget.data
 from membudget.data import (
     LLAMA3_SPECIAL_TOKENS,
     ByteTokenizer,
+    Prefetcher,
     TokenBatches,
     build_tokenizer,
     iter_documents,
     vocab_size_check,
 )
+from membudget.errors import UserError
+from membudget.options import group_options
+from membudget.schema import DataConfig, TokenizerConfig
+from tests.conftest import compose_cfg
 
-CONF = os.path.join(os.path.dirname(__file__), "..", "conf")
 MERGES = [b"th", b"he", b"the", b" t"]  # ranks 256.. after the 256 single bytes
 
 
 @pytest.fixture(autouse=True)
 def hf_cache_in_tmp(tmp_path, monkeypatch):
-    """Hugging Face datasets writes its cache and lock files under tmp_path, not ~/.cache."""
-    import datasets
-
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    """Hugging Face datasets writes its lock files under tmp_path, not ~/.cache (without importing datasets here:
+    some tests check that it is never imported)."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    if sys.modules.get("datasets") is not None:
+        monkeypatch.setattr(sys.modules["datasets"].config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
 
 
 def write_bpe(path, merges=MERGES):
@@ -68,6 +76,8 @@ def test_byte_tokenizer_round_trip():
     assert ids[0] == 256 and ids[-1] == 257 and len(ids) == len(text.encode()) + 2
     assert tok.encode(text, bos=False, eos=False) == ids[1:-1]
     assert tok.decode(ids) == text
+    # the array the batches pack holds the same ids
+    assert tok.encode_array(text).dtype == np.int64 and tok.encode_array(text).tolist() == ids
 
 
 def test_llama3_tokenizer_on_tiny_local_model(tmp_path):
@@ -79,6 +89,7 @@ def test_llama3_tokenizer_on_tiny_local_model(tmp_path):
     assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
     assert 256 + MERGES.index(b"the") in ids  # the merges are used
     assert tok.decode(ids[1:-1]) == text
+    assert tok.encode_array(text).tolist() == ids
     assert tok.decode([tok.bos_id]) == "<|begin_of_text|>"
     # special-token text inside a document stays text
     assert tok.encode("<|eot_id|>", bos=False, eos=False) == list(b"<|eot_id|>")
@@ -118,23 +129,44 @@ def test_pydoc_is_the_default():
     assert list(iter_documents(DataConfig(), start=3)) == docs[3:]
 
 
+def test_pydoc_and_synthetic_never_import_datasets(tmp_path, monkeypatch):
+    """The default run (data=pydoc) and data=synthetic skip datasets' seconds of imports: with the module made
+    unimportable, a fresh copy of membudget.data loads and both produce batches."""
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
+    spec = importlib.util.spec_from_file_location("membudget_data_copy", membudget.data.__file__)
+    data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(data)
+    for name in ("pydoc", "synthetic"):
+        batches = data.TokenBatches(DataConfig(name=name), data.ByteTokenizer(), 2, 16, seed=0)
+        assert next(batches)[0].shape == next(batches)[0].shape == (2, 16)
+    with pytest.raises(ImportError):  # the check can fail: reading files does need datasets
+        list(data.iter_documents(DataConfig(name="text", path=str(write_docs(tmp_path, ["text"])))))
+
+
 def test_text_file_directory_and_glob(tmp_path):
     corpus = write_docs(tmp_path, ["alpha", "beta"])
     (corpus / "sub").mkdir()
     (corpus / "sub" / "z.txt").write_text("gamma")
+    (corpus / "sub" / "z[1].txt").write_text("delta")  # datasets would read "[1]" as a glob class
     (corpus / "notes.md").write_text("not a .txt file")
     assert list(iter_documents(DataConfig(name="text", path=str(corpus / "000_docs.txt")))) == ["alpha"]
-    assert list(iter_documents(DataConfig(name="text", path=str(corpus)))) == ["alpha", "beta", "gamma"]
+    assert list(iter_documents(DataConfig(name="text", path=str(corpus)))) == ["alpha", "beta", "gamma", "delta"]
     assert list(iter_documents(DataConfig(name="text", path=str(corpus / "*.txt")))) == ["alpha", "beta"]
-    assert list(iter_documents(DataConfig(name="text", path=str(corpus)), start=1)) == ["beta", "gamma"]
+    assert list(iter_documents(DataConfig(name="text", path=str(corpus)), start=1)) == ["beta", "gamma", "delta"]
+    assert list(iter_documents(DataConfig(name="text", path=str(corpus)), start=4)) == []
 
 
 def test_jsonl_files(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [{"body": "one"}, {"body": "two", "id": 2}])
-    (tmp_path / "b.jsonl").write_text('{"body": "three"}\n\n')  # blank lines are skipped
+    # blank lines are skipped; the fields besides text_field may differ from record to record
+    (tmp_path / "b.jsonl").write_bytes(b'\xef\xbb\xbf{"body": "three"}\n\n  \n'  # a BOM, a blank line
+                                       b'{"body": "caf\xe9", "meta": {"x": [1]}}\r\n')
     cfg = DataConfig(name="jsonl", path=str(tmp_path), text_field="body")
-    assert list(iter_documents(cfg)) == ["one", "two", "three"]
-    assert list(iter_documents(cfg, start=2)) == ["three"]
+    assert list(iter_documents(cfg)) == ["one", "two", "three", "caf\ufffd"]  # bytes that are not UTF-8: U+FFFD
+    assert list(iter_documents(cfg, start=2)) == ["three", "caf\ufffd"]
+    assert list(iter_documents(cfg, start=4)) == []
+    # streamed: nothing but lock files in datasets' cache
+    assert [p.name for p in (tmp_path / "hf_cache").rglob("*") if not p.name.endswith(".lock")] == []
 
 
 @pytest.mark.parametrize("streaming", [True, False])
@@ -157,33 +189,86 @@ def test_hf_without_network_is_a_user_error(monkeypatch):
     assert "no network" in message and "HF_DATASETS_OFFLINE" in message
 
 
-def test_dataset_errors_name_the_key(tmp_path):
+def dataset_error_cases(tmp_path):
+    """(key, what the message must say, config) for every bad dataset: each fails in iter_documents."""
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "emptydir").mkdir()
-    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops\n')
-    write_jsonl(tmp_path / "nofield.jsonl", [{"content": "x"}])
-    cases = [
-        ("data.path", DataConfig(name="text", path=str(tmp_path / "missing.txt"))),
-        ("data.path", DataConfig(name="text", path=None)),
-        ("data.path", DataConfig(name="text", path=str(tmp_path / "empty.txt"))),
-        ("data.path", DataConfig(name="text", path=str(tmp_path / "emptydir"))),
-        ("data.path", DataConfig(name="text", path=str(tmp_path / "nothing*.txt"))),
-        ("data.path", DataConfig(name="jsonl", path=str(tmp_path / "missing.jsonl"))),
-        ("data.path", DataConfig(name="jsonl", path=str(tmp_path / "bad.jsonl"))),
-        ("data.text_field", DataConfig(name="jsonl", path=str(tmp_path / "nofield.jsonl"))),
-        ("data.hf_data_files", DataConfig(name="hf", hf_path="json", hf_data_files=str(tmp_path / "none.jsonl"))),
-        ("data.hf_path", DataConfig(name="hf", hf_path=None)),
-        ("data.text_field", DataConfig(name="hf", hf_path="json", hf_data_files=str(tmp_path / "nofield.jsonl"))),
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n\n{"text": oops\n')
+    write_jsonl(tmp_path / "nofield.jsonl", [{"content": "x", "id": 1}])
+    (tmp_path / "later").mkdir()  # the problems are in the second file, read after the first
+    write_jsonl(tmp_path / "later" / "a.jsonl", [{"text": "fine"}])
+    (tmp_path / "later" / "b.jsonl").write_text('{"text": "fine"}\r\n{"text": "ok"} trailing\n')
+    (tmp_path / "later_field").mkdir()
+    write_jsonl(tmp_path / "later_field" / "a.jsonl", [{"text": "fine"}])
+    write_jsonl(tmp_path / "later_field" / "b.jsonl", [{"text": "fine"}, {"txt": "typo"}])
+    write_jsonl(tmp_path / "array.jsonl", [{"text": "fine"}, [1, 2]])
+    write_jsonl(tmp_path / "number.jsonl", [{"text": 7}])
+    jsonl = lambda name: DataConfig(name="jsonl", path=str(tmp_path / name))  # noqa: E731
+    return [
+        ("data.path", "file not found", DataConfig(name="text", path=str(tmp_path / "missing.txt"))),
+        ("data.path", "local files", DataConfig(name="text", path=None)),
+        ("data.path", "empty file", DataConfig(name="text", path=str(tmp_path / "empty.txt"))),
+        ("data.path", "file not found", DataConfig(name="text", path=str(tmp_path / "emptydir"))),
+        ("data.path", "file not found", DataConfig(name="text", path=str(tmp_path / "nothing*.txt"))),
+        ("data.path", "file not found", jsonl("missing.jsonl")),
+        ("data.path", f"line 3 of {tmp_path / 'bad.jsonl'} is not valid JSON", jsonl("bad.jsonl")),
+        ("data.path", f"line 2 of {tmp_path / 'later' / 'b.jsonl'} is not valid JSON", jsonl("later")),
+        ("data.text_field", f"line 1 of {tmp_path / 'nofield.jsonl'} has no field 'text' (it has ['content', 'id'])",
+         jsonl("nofield.jsonl")),
+        ("data.text_field", f"line 2 of {tmp_path / 'later_field' / 'b.jsonl'} has no field 'text' (it has ['txt'])",
+         jsonl("later_field")),
+        ("data.text_field", f"line 2 of {tmp_path / 'array.jsonl'} is a JSON list, not an object",
+         jsonl("array.jsonl")),
+        ("data.text_field", "has 'text' of type int, not a string", jsonl("number.jsonl")),
+        ("data.hf_data_files", "not found",
+         DataConfig(name="hf", hf_path="json", hf_data_files=str(tmp_path / "none.jsonl"))),
+        ("data.hf_path", "use data=c4 or data=fineweb_edu", DataConfig(name="hf", hf_path=None)),
+        ("data.text_field", "(it has ['content', 'id'])",
+         DataConfig(name="hf", hf_path="json", hf_data_files=str(tmp_path / "nofield.jsonl"))),
+        ("data.name", "choose one of data=", DataConfig(name="wikipedia")),
     ]
-    for key, cfg in cases:
+
+
+def test_dataset_errors_name_the_key(tmp_path):
+    for key, detail, cfg in dataset_error_cases(tmp_path):
         message = one_line_error(key, lambda: list(iter_documents(cfg)))
-        assert repr(getattr(cfg, key.split(".")[1])) in message
+        assert repr(getattr(cfg, key.split(".")[1])) in message and detail in message, message
 
 
 def test_corpus_without_any_text_is_a_user_error(tmp_path):
     data = write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}, {"text": ""}])
     batches = TokenBatches(DataConfig(name="jsonl", path=data), ByteTokenizer(), 2, 8, seed=0)
     one_line_error("data.path", next, batches)
+    (tmp_path / "lines.jsonl").write_text("\n \n")  # not empty, but no record either
+    batches = TokenBatches(DataConfig(name="jsonl", path=str(tmp_path / "lines.jsonl")), ByteTokenizer(), 2, 8, 0)
+    one_line_error("data.path", next, batches)
+
+
+def test_every_suggested_override_composes(tmp_path, monkeypatch):
+    """Each `group=option` that a data or tokenizer error message suggests is a real option: it composes."""
+    import datasets
+    import huggingface_hub.constants
+
+    messages = []
+    for key, _, cfg in dataset_error_cases(tmp_path):
+        messages.append(one_line_error(key, lambda: list(iter_documents(cfg))))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    messages += [
+        one_line_error("data.hf_path", iter_documents, DataConfig(name="hf", hf_path="allenai/c4", hf_name="en")),
+        one_line_error("tokenizer.path", build_tokenizer, TokenizerConfig(name="tiktoken", path=None)),
+        one_line_error("tokenizer.name", build_tokenizer, TokenizerConfig(name="sentencepiece")),
+        one_line_error("model.vocab_size", vocab_size_check, ByteTokenizer(), 256),
+        one_line_error("train.global_batch_size", TokenBatches, DataConfig(), ByteTokenizer(), 6, 16, 0, 0, 4),
+    ]
+    # an override is a group name (no dot: data.path=... is a key) '=' an option name
+    suggested = {m for message in messages for m in re.findall(r"(?<![\w.])([a-z_]+=\w+)", message)}
+    for override in sorted(suggested):
+        group, option = override.split("=")
+        assert option in group_options(group), f"{override} is suggested but is no option of {group}"
+        compose_cfg(override)
+    assert {"tokenizer=llama3", "tokenizer=byte", "data=c4", "data=fineweb_edu", "data=text", "data=jsonl",
+            "data=pydoc"} <= suggested
 
 
 # --------------------------------------------------------------------------------------------- batches
@@ -231,15 +316,24 @@ def test_global_batch_must_split_over_ranks():
     one_line_error("train.global_batch_size", TokenBatches, DataConfig(), ByteTokenizer(), 6, 16, 0, 0, 4)
 
 
-@pytest.mark.parametrize("name", ["pydoc", "text", "hf", "synthetic"])
+def small_corpus(tmp_path, name):
+    """A corpus of each kind small enough that a few batches of 3 x 6 tokens wrap around it."""
+    if name == "text":
+        return DataConfig(name="text", path=str(write_docs(tmp_path, ["short", "a bit longer one", "x"])))
+    if name == "jsonl":
+        (tmp_path / "jsonl").mkdir()
+        write_jsonl(tmp_path / "jsonl" / "a.jsonl", [{"text": f"document {i}"} for i in range(2)])
+        write_jsonl(tmp_path / "jsonl" / "b.jsonl", [{"text": ""}, {"text": "the last one"}])
+        return DataConfig(name="jsonl", path=str(tmp_path / "jsonl"))
+    if name == "hf":
+        return DataConfig(name="hf", hf_path="json", hf_data_files=write_jsonl(
+            tmp_path / "d.jsonl", [{"text": f"document {i}"} for i in range(5)]))
+    return DataConfig(name=name)
+
+
+@pytest.mark.parametrize("name", ["pydoc", "text", "jsonl", "hf", "synthetic"])
 def test_resume_from_state_dict_gives_the_same_batches(tmp_path, name):
-    cfg = {
-        "pydoc": DataConfig(),
-        "text": DataConfig(name="text", path=str(write_docs(tmp_path, ["short", "a bit longer one", "x"]))),
-        "hf": DataConfig(name="hf", hf_path="json", hf_data_files=write_jsonl(
-            tmp_path / "d.jsonl", [{"text": f"document {i}"} for i in range(5)])),
-        "synthetic": DataConfig(name="synthetic"),
-    }[name]
+    cfg = small_corpus(tmp_path, name)
     make = lambda: TokenBatches(cfg, ByteTokenizer(), global_batch_size=3, seq_len=5, seed=7)  # noqa: E731
     first = make()
     for _ in range(5):  # the small corpora wrap around within these steps
@@ -263,14 +357,86 @@ def test_synthetic_is_seeded():
     assert 0 <= int(a[0].min()) and int(a[0].max()) < ByteTokenizer.vocab_size
 
 
+# ------------------------------------------------------------------------------------------- prefetching
+
+def wait_until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the data thread did not get there in time"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_prefetcher_hands_out_the_same_batches_and_their_position(tmp_path, depth):
+    cfg = small_corpus(tmp_path, "jsonl")
+    make = lambda: TokenBatches(cfg, ByteTokenizer(), global_batch_size=3, seq_len=5, seed=0)  # noqa: E731
+    plain, underlying = make(), make()
+    prefetcher = Prefetcher(underlying, depth)
+    try:
+        for step in range(1, 7):  # wraps the corpus twice
+            a, b = next(plain), next(prefetcher)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            # the position after the last batch handed out, not after those the thread read ahead
+            assert prefetcher.state_dict() == plain.state_dict() and plain.state_dict()["step"] == step
+            if depth:  # exactly `depth` batches are read ahead, never more
+                wait_until(lambda: underlying.step == step + depth)
+                time.sleep(0.02)
+                assert underlying.step == step + depth
+        state = json.loads(json.dumps(prefetcher.state_dict()))
+    finally:
+        prefetcher.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    resumed = Prefetcher(resumed, depth)
+    try:
+        for _ in range(3):
+            a, b = next(plain), next(resumed)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    finally:
+        resumed.close()
+
+
+def test_prefetcher_raises_the_data_threads_error_in_order(tmp_path):
+    """Bad JSON in the second file: the batches before it arrive, then the same UserError as without
+    prefetching, on the same step, and again on every later call."""
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "x" * 38}])
+    (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n{"text": oops\n')
+    cfg = DataConfig(name="jsonl", path=str(tmp_path))
+    make = lambda: TokenBatches(cfg, ByteTokenizer(), global_batch_size=2, seq_len=7, seed=0)  # noqa: E731
+    plain, prefetcher = make(), Prefetcher(make(), depth=2)
+    try:
+        for _ in range(2):  # 40 tokens in the first file: two batches of 16, the third needs the second file
+            a, b = next(plain), next(prefetcher)
+            assert torch.equal(a[0], b[0])
+        expected = one_line_error(f"line 2 of {tmp_path / 'b.jsonl'} is not valid JSON", next, plain)
+        for _ in range(2):
+            assert one_line_error("data.path", next, prefetcher) == expected
+        assert not prefetcher._thread.is_alive()
+        assert prefetcher.state_dict()["step"] == 2
+    finally:
+        prefetcher.close()
+
+
+def test_prefetcher_close_stops_the_thread():
+    prefetcher = Prefetcher(TokenBatches(DataConfig(), ByteTokenizer(), 2, 16, seed=0), depth=2)
+    prefetcher.close()  # before any batch: nothing to stop
+    assert prefetcher._thread is None
+    prefetcher = Prefetcher(TokenBatches(DataConfig(), ByteTokenizer(), 2, 16, seed=0), depth=2)
+    next(prefetcher)
+    wait_until(lambda: prefetcher.batches.step == 3)  # the read-ahead is full: the thread waits for a free slot
+    thread = prefetcher._thread
+    assert thread.is_alive()
+    started = time.monotonic()
+    prefetcher.close()
+    assert not thread.is_alive() and time.monotonic() - started < 1
+
+
 # ----------------------------------------------------------------------------------------------- config
 
 @pytest.mark.parametrize("option", ["data=pydoc", "data=text", "data=jsonl", "data=synthetic", "data=c4",
                                     "data=fineweb_edu", "tokenizer=byte", "tokenizer=llama3"])
 def test_yaml_options_compose_against_the_schema(option):
-    register_configs()
-    with initialize_config_dir(config_dir=os.path.abspath(CONF), version_base=None):
-        cfg = compose(overrides=["+" + option])
+    cfg = compose_cfg(option)
     group, name = option.split("=")
     node = cfg[group]
     if group == "data":

@@ -1,0 +1,72 @@
+"""Whether a run can fit at all, checked before anything is allocated: a run that cannot is refused in one
+line instead of being killed by the OOM killer minutes later (CPU) or failing at its first step (GPU).
+
+The figure is a floor, never an estimate: what any AC setting must hold per rank (fp32 weights, gradients and
+AdamW's two moments, sharded as configured; each block's input, which even full AC keeps; the fp32 logits the
+loss keeps). The planner (`python -m membudget.plan`) predicts the real peak.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from membudget.errors import UserError
+from membudget.rules import mesh_degrees
+from membudget.schema import ffn_hidden_size
+
+log = logging.getLogger("membudget")
+GiB = 2**30
+
+
+def parameter_count(m) -> int:
+    """Llama 3's parameters from its config (a tied output projection counted once)."""
+    n_kv = m.n_kv_heads or m.n_heads
+    head = m.dim // m.n_heads
+    ffn = ffn_hidden_size(m.dim, m.multiple_of, m.ffn_dim_multiplier)
+    block = m.dim * head * (2 * m.n_heads + 2 * n_kv) + 3 * m.dim * ffn + 2 * m.dim
+    return m.n_layers * block + m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
+
+
+def floor_bytes(cfg, shape, world_size: int) -> dict[str, int]:
+    """The least a rank holds during a step, by part."""
+    degrees = mesh_degrees(cfg.parallelism, world_size)
+    shards = degrees["dp_shard"] * degrees["tp"]
+    m = cfg.model
+    tokens = shape.micro_batch * shape.seq_len
+    return {
+        "weights, gradients and AdamW states (fp32)": 16 * parameter_count(m) // shards,
+        "each block's input": 4 * m.n_layers * tokens * m.dim // degrees["tp"],
+        "the loss's fp32 logits": 4 * tokens * m.vocab_size // degrees["tp"],
+    }
+
+
+def available_bytes(device: torch.device, local_ranks: int) -> tuple[int, str]:
+    """Memory this rank can use, and what it is: the GPU's, or this host's available memory shared by the
+    ranks on it."""
+    if device.type == "cuda":
+        import torch  # here, not at the top: parameter_count serves the torch-free SLURM submitter too
+
+        return torch.cuda.mem_get_info(device)[1], f"{torch.cuda.get_device_name(device)}'s memory"
+    import psutil
+
+    free = psutil.virtual_memory().available
+    share = f" shared by {local_ranks} ranks" if local_ranks > 1 else ""
+    return free // max(1, local_ranks), f"this host's available memory{share}"
+
+
+def check_fits(cfg, shape, device: torch.device, world_size: int, local_ranks: int = 1) -> None:
+    parts = floor_bytes(cfg, shape, world_size)
+    need = sum(parts.values())
+    have, what = available_bytes(device, local_ranks)
+    if need <= have:
+        return
+    worst = max(parts, key=parts.get)
+    t = cfg.train
+    key, value = (("model", cfg.model.name) if worst.startswith("weights") else
+                  ("train.micro_batch_size", t.micro_batch_size) if t.micro_batch_size else
+                  ("train.global_batch_size", t.global_batch_size))
+    raise UserError(
+        f"{key}={value!r}: this run needs at least {need / GiB:.1f} GiB per rank ({worst}: "
+        f"{parts[worst] / GiB:.1f} GiB) but {what} is {have / GiB:.1f} GiB; use a smaller model or "
+        "train.micro_batch_size / train.seq_len, or shard over more ranks; `python -m membudget.plan` with the "
+        "same overrides predicts the peak")

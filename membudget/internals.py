@@ -1,0 +1,157 @@
+"""Every private API of PyTorch, Hydra and Hugging Face datasets that membudget uses, each in one place, with
+what it stands in for.
+
+When a public API appears for one of these, only this file changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+# torch.utils._pytree: flattening nested args/outputs; stands in for a public pytree API (optree is not a
+# dependency of torch on every platform).
+from torch.utils._pytree import tree_leaves  # noqa: F401
+
+# torch._subclasses.fake_tensor: tensors with shapes, dtypes and storages but no memory, for the planner;
+# torch has no public fake-tensor mode.
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+
+# torch.distributed.algorithms._checkpoint: the module wrapper around torch.utils.checkpoint that
+# torchtitan and FSDP use; the public alternative is calling torch.utils.checkpoint in forward ourselves.
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
+
+# torch.utils._python_dispatch.TorchDispatchMode: a mode that sees every op below autograd (the planner's recorder);
+# torch has no public base class for one.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+
+# torch.distributed._functional_collectives.wait_tensor: waits on an async collective's output; the
+# public Work.wait() has no tensor-level form that Dynamo traces.
+from torch.distributed._functional_collectives import wait_tensor  # noqa: F401
+
+
+@contextlib.contextmanager
+def functorch_config(**settings: Any) -> Iterator[None]:
+    """torch._functorch.config, patched for a scope: the min-cut partitioner reads its memory budget (and
+    solver, estimator, Pareto plots) only there; torch.autograd.graph.region_activation_memory_budget is the
+    public form, for one region at a time."""
+    with torch._functorch.config.patch(**settings):
+        yield
+
+
+def functorch_budget() -> float:
+    return torch._functorch.config.activation_memory_budget
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """A storage's identity (its StorageImpl's address): unique per live storage, also for meta and fake
+    tensors, where data_ptr() is 0 for all. `_cdata` stands in for a public storage id."""
+    return storage._cdata
+
+
+def op_packet(func: Any) -> Any:
+    """An op overload's packet (aten.mm for aten.mm.default), which keys torch's FLOP formulas; `_overloadpacket`
+    stands in for a public accessor."""
+    return func._overloadpacket
+
+
+def op_schema(func: Any) -> Any:
+    """An op's schema (its name, argument names, whether it mutates), or None for a higher-order op; `_schema`
+    stands in for a public accessor."""
+    return getattr(func, "_schema", None)
+
+
+def selective_cache(forward_ctx: Any) -> Any:
+    """The outputs selective AC saved for backward (MUST_SAVE), held in its caching dispatch mode's
+    `storage`; no public API exposes them, and saved_tensors_hooks do not see them."""
+    return forward_ctx.storage
+
+
+def register_fake_process_group() -> None:
+    """Registers the "fake" c10d backend (no communication, per-rank shapes), which the planner runs on;
+    it lives in torch.testing._internal and has no public registration."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+
+@contextlib.contextmanager
+def cached_dtensor_sharding_propagation() -> Iterator[None]:
+    """Eager DTensor caches the output shapes it derives by running ops on whole-size tensors; under a fake
+    mode it does not, and redoes that work on every op (the planner's tracker would count it). This makes
+    the fake run use the cache as eager does; there is no public switch."""
+    from unittest import mock
+
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    with mock.patch.object(ShardingPropagator, "_propagate_tensor_meta",
+                           ShardingPropagator._propagate_tensor_meta_cached):
+        yield
+
+
+def basic_sweeper_jobs(params: dict, task_overrides: list[str]) -> list[list[str]] | None:
+    """Each job's overrides as Hydra's basic sweeper expands a sweep's params and overrides (for the report's
+    list of jobs that never started); Hydra exposes the sweeper only through its private module. None for
+    sweeps it cannot expand without the config loader (glob())."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    args = [f"{k}={v}" for k, v in (params or {}).items()] + list(task_overrides)
+    try:
+        overrides = OverridesParser.create().parse_overrides(args)
+    except HydraException:
+        return None
+    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+
+
+@contextlib.contextmanager
+def dynamo_recompile_limit(graphs: int) -> Iterator[None]:
+    """Let Dynamo keep `graphs` compiled versions of one frame: blocks share TransformerBlock's code, and
+    per-block budgets compile one graph per distinct budget, more than the default limit of 8 (past it
+    Dynamo would silently run further blocks eagerly, without their budget). No public setting exists."""
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(recompile_limit=max(dynamo_config.recompile_limit, graphs),
+                             accumulated_recompile_limit=max(dynamo_config.accumulated_recompile_limit, 4 * graphs)):
+        yield
+
+
+def optuna_search_space(overrides: list[str]) -> tuple[dict, dict]:
+    """Hydra's sweep syntax (choice(...), interval(a, b), range(...)) as Optuna distributions, by name, and the
+    overrides that are not swept; the only parser is the Optuna sweeper's, in its private _impl module."""
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
+
+    return create_params_from_overrides(overrides)
+
+
+def no_datasets_download_counts() -> None:
+    """Stop Hugging Face datasets' download counting: every load_dataset of a packaged builder (text, json),
+    local files included, first sends a HEAD request to the Hub's S3 bucket (3 s timeout: per epoch, on a
+    node without internet). Its only switches are HF_HUB_OFFLINE, which would also cut off the Hub's datasets,
+    and datasets.config.HF_UPDATE_DOWNLOAD_COUNTS, read from the environment once at import."""
+    import datasets.config
+
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+
+
+def optuna_set_user_attr(study: Any, frozen_trial: Any, key: str, value: Any) -> None:
+    """Set a user attribute of a trial that another process left running; Optuna 2's public API sets them only
+    through the live Trial object of the process that asked for it."""
+    study._storage.set_trial_user_attr(frozen_trial._trial_id, key, value)
+
+
+def cuda_memory_history(enabled: bool, max_entries: int = 100_000) -> None:
+    """Start (or stop) recording the CUDA caching allocator's allocations and frees with their stacks, for the
+    memory visualiser; torch.cuda.memory._record_memory_history is documented ("Understanding CUDA Memory
+    Usage") but private."""
+    torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=max_entries)
+
+
+def dump_cuda_memory_snapshot(path: Any) -> None:
+    """The recorded allocator history and the current segments as a pickle for https://pytorch.org/memory_viz;
+    torch.cuda.memory._dump_snapshot, private like the recording."""
+    torch.cuda.memory._dump_snapshot(str(path))

@@ -1,0 +1,292 @@
+"""This process's place in the job: how it was launched (one process, torchrun, an srun step), the run's
+name that every rank of the job agrees on, the rendezvous address, the device, joining the process group,
+and how early SLURM must warn before a time limit.
+
+Launchers, in order of trust:
+- torchrun sets RANK/WORLD_SIZE/LOCAL_RANK, MASTER_ADDR/MASTER_PORT, and TORCHELASTIC_RUN_ID (its
+  `--rdzv-id`, the same on every node; a fresh uuid for a single-node launch without an endpoint);
+- an `srun` step (also how submitit runs a job's tasks) sets SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID
+  and SLURM_STEP_ID. Only a step's variables are trusted: an `salloc` shell or an `sbatch` script carries
+  SLURM_NTASKS (a batch script even SLURM_PROCID=0), but a plain `python train.py` started there is one
+  process, which says so in one line.
+RANK/WORLD_SIZE with MASTER_ADDR/MASTER_PORT set by hand (or by another launcher) are a launch too, named
+after that endpoint.
+
+submitit's TorchDistributedEnvironment is not used for the rendezvous: it takes the job's node list rather
+than the step's, keeps a MASTER_PORT leaked from the submitting shell, and draws ports inside Linux's
+ephemeral range (32768-60999), where a port can already be in use by an outgoing connection.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import itertools
+import logging
+import math
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from membudget.errors import UserError
+
+log = logging.getLogger("membudget")
+
+# Rendezvous ports derived from the SLURM job and step ids: below Linux's default ephemeral range
+# (32768-60999), above the registered services most hosts run.
+PORT_BASE, PORT_SPAN = 20000, 12000
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    launcher: str = "single"  # single | torchrun | env (RANK/WORLD_SIZE set by hand) | srun
+    job_key: Optional[str] = None  # the run's name, from what every rank of the job shares; None: one process
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def in_srun_step(env: Mapping[str, str] = os.environ) -> bool:
+    """Inside an `srun` step (SLURM_STEP_ID is set there, not in the allocation's shell or batch script)."""
+    return "SLURM_STEP_ID" in env and "SLURM_PROCID" in env
+
+
+def launch_from_env(env: Mapping[str, str] = os.environ) -> Launch:
+    """torchrun's variables, else an srun step's, else one process."""
+    if "RANK" in env or "WORLD_SIZE" in env:
+        missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
+        if missing:
+            other = "RANK" if missing[0] == "WORLD_SIZE" else "WORLD_SIZE"
+            raise UserError(f"{missing[0]} is not set but {other} is: launch with torchrun (it sets both), or "
+                            "unset it for one process")
+        world_size = int(env["WORLD_SIZE"])
+        if world_size > 1 and not env.get("MASTER_ADDR"):
+            raise UserError(f"WORLD_SIZE={world_size} is set but MASTER_ADDR is not: launch with torchrun "
+                            "(or set MASTER_ADDR/MASTER_PORT), or unset RANK/WORLD_SIZE for one process")
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
+        # RANK=0 WORLD_SIZE=1 by hand is one process: two such runs must not share one dir
+        key = _rendezvous_key(env) if launcher == "torchrun" or world_size > 1 else None
+        return Launch(int(env["RANK"]), world_size, int(env.get("LOCAL_RANK", 0)), launcher, key)
+    if in_srun_step(env):
+        ntasks = int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")))
+        # a one-task step is one process (`srun --pty bash`, then several `python train.py`): no shared name
+        key = f"slurm-{env.get('SLURM_JOB_ID', '0')}.{env['SLURM_STEP_ID']}" if ntasks > 1 else None
+        return Launch(int(env["SLURM_PROCID"]), ntasks, int(env.get("SLURM_LOCALID", 0)), "srun", key)
+    return Launch()
+
+
+def warn_if_unused_allocation(env: Mapping[str, str] = os.environ) -> None:
+    """One line when a plain run starts inside a SLURM allocation of several tasks, which it does not use."""
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and not in_srun_step(env) and "RANK" not in env:
+        log.warning("this shell is SLURM job %s with %s tasks, but not an srun step: training as one process; "
+                    "launch with `srun python train.py ...` to use all tasks",
+                    env.get("SLURM_JOB_ID", "?"), env["SLURM_NTASKS"])
+
+
+def _rendezvous_key(env: Mapping[str, str]) -> str:
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:  # RANK/WORLD_SIZE by hand (or another launcher): the rendezvous endpoint is shared
+        return f"env-{env.get('MASTER_ADDR', 'local')}-{env.get('MASTER_PORT', '0')}"
+    if run_id != "none":
+        return f"torchrun-{run_id}"
+    # No --rdzv-id: torchrun's static rendezvous with a --master-port (or c10d with an endpoint). A c10d
+    # MASTER_PORT is drawn anew by each launch, and nodes share nothing else that names this launch.
+    nodes = int(env.get("GROUP_WORLD_SIZE", "1"))
+    if nodes > 1:
+        raise UserError(f"torchrun on {nodes} nodes without --rdzv-id: the nodes cannot agree on one run dir; "
+                        "pass --rdzv-id=<the job's id> to every node (rerun with the same id to resume)")
+    # one node: its ranks share their parent, torchrun's agent
+    import psutil
+
+    agent = psutil.Process(os.getppid())
+    return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(agent.create_time())) + f"-{agent.pid}"
+
+
+def run_name(env: Mapping[str, str] = os.environ) -> str:
+    """The run's name under outputs/ or multirun/, the same in every rank of one launch and different for two
+    launches: `<date>/<time>-<pid>` for one process (two runs started in the same second differ), the job's
+    key for torchrun (`torchrun-<rendezvous id>`) and srun (`slurm-<job id>.<step id>`), which every node of
+    a multi-node job shares (a node's clock or its launcher's start time would not be). Rerunning a torchrun
+    launch with the same --rdzv-id, or a requeued SLURM job's same step, resumes in the same dir."""
+    try:
+        key = launch_from_env(env).job_key
+    except UserError:
+        key = None  # train.py reports the launch's error in one line; Hydra only needs some dir meanwhile
+    return key or time.strftime("%Y-%m-%d/%H-%M-%S") + f"-{os.getpid()}"
+
+
+def _rank_suffix() -> str:
+    try:
+        rank = launch_from_env().rank
+    except UserError:
+        rank = 0
+    return f"_rank{rank}" if rank else ""
+
+
+# --- the rendezvous ---------------------------------------------------------------------------------------
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """SLURM's compact host list ("gpu[01-03,07],login1", "rack[1-2]-n[01-02]") as host names, in order
+    (what `scontrol show hostnames` prints, for the lists it accepts)."""
+    hosts = []
+    for pattern in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
+        # literal text and bracket groups alternate: the product of the groups, the leftmost varying slowest
+        pieces = re.split(r"\[([^\]]*)\]", pattern)
+        choices = [[text] if i % 2 == 0 else _expand_ranges(text) for i, text in enumerate(pieces)]
+        hosts.extend("".join(parts) for parts in itertools.product(*choices))
+    return hosts
+
+
+def _expand_ranges(ranges: str) -> list[str]:
+    """"01-03,07" -> 01 02 03 07: each range keeps the zero padding of its first number."""
+    out = []
+    for item in ranges.split(","):
+        first, _, last = item.partition("-")
+        out.extend(f"{i:0{len(first)}d}" for i in range(int(first), int(last or first) + 1))
+    return out
+
+
+def first_host(nodelist: str, path: Optional[str] = None) -> str:
+    """The first host of a SLURM node list: `scontrol show hostnames` where it is on PATH and accepts the
+    list, else this module's parser (containers without SLURM's client tools)."""
+    scontrol = shutil.which("scontrol", path=path)
+    if scontrol:
+        proc = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True)
+        if proc.returncode == 0 and proc.stdout.split():
+            return proc.stdout.split()[0]
+    return expand_hostlist(nodelist)[0]
+
+
+def srun_rendezvous(env: Mapping[str, str] = os.environ) -> tuple[str, int]:
+    """MASTER_ADDR/MASTER_PORT of an srun step: the step's first node, and the step's reserved port (srun
+    --resv-ports) or one from the job and step ids, the same on every task and outside the ephemeral range.
+    Whatever MASTER_ADDR/MASTER_PORT the submitting shell exported is ignored."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise UserError("SLURM_STEP_NODELIST is not set in this srun step: cannot find the first node; "
+                        "set MASTER_ADDR/MASTER_PORT and launch with torchrun instead")
+    return first_host(nodelist, env.get("PATH")), srun_port(env)
+
+
+def srun_port(env: Mapping[str, str] = os.environ) -> int:
+    """The step's first reserved port (srun --resv-ports), else one from the job and step ids: consecutive
+    jobs and a job's steps on one node get different ports."""
+    reserved = env.get("SLURM_STEP_RESV_PORTS")
+    if reserved:
+        return int(re.split(r"[-,]", reserved)[0])
+    return PORT_BASE + (int(env.get("SLURM_JOB_ID", "0")) * 16 + int(env.get("SLURM_STEP_ID", "0"))) % PORT_SPAN
+
+
+# --- the device and the process group ----------------------------------------------------------------------
+
+def pick_device(name: str, launch: Launch):
+    """The device this rank trains on: CUDA when asked for (or auto and present), else the CPU. With one GPU
+    visible per task (SLURM's --gpus-per-task, --gpu-bind) it is cuda:0 whatever the local rank."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "cuda":
+        return torch.device(name)
+    if not torch.cuda.is_available():
+        raise UserError("train.device='cuda': no CUDA device is visible; use train.device=auto or cpu")
+    count = torch.cuda.device_count()
+    if count == 1:
+        return torch.device("cuda", 0)
+    if launch.local_rank >= count:
+        raise UserError(f"train.device='cuda': local rank {launch.local_rank} but only {count} GPUs are visible "
+                        f"to this process; launch one process per GPU (e.g. --ntasks-per-node {count}) or bind "
+                        "one GPU per task (--gpus-per-task=1)")
+    return torch.device("cuda", launch.local_rank)
+
+
+def init_distributed(launch: Launch, device, timeout_s: float = 600) -> None:
+    """Join the process group when launched with several processes: NCCL on CUDA (bound to this rank's device
+    up front), gloo on the CPU. A peer that never comes, or an unreachable master, is one line."""
+    import torch
+    import torch.distributed as dist
+
+    if launch.world_size == 1 or dist.is_initialized():
+        return
+    if launch.launcher == "srun":
+        addr, port = srun_rendezvous()
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # before interpreter exit
+    except (RuntimeError, ValueError) as e:  # DistStoreError, DistNetworkError are RuntimeErrors
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"parallelism.timeout_s={timeout_s}: rank {launch.rank} of {launch.world_size} could not "
+                        f"join the process group at {where} ({type(e).__name__}: {first}); check that all "
+                        f"{launch.world_size} processes were launched and can reach rank 0's host") from None
+
+
+# --- how early SLURM warns before a time limit ---------------------------------------------------------------
+
+# Each rank's assumed write bandwidth to the checkpoint dir when checkpoint.write_gbps is not set: a shared
+# filesystem serving the 8 ranks of a node at 2 GB/s. Too low only costs minutes at the end of a job; too
+# high loses the checkpoint that the signal is for.
+WRITE_GBPS = 0.25
+# The step in flight, the ranks' agreement to stop, submitit's requeue: before and after the save itself.
+SIGNAL_SLACK_S = 60
+
+
+def checkpoint_write_s(cfg: Any, world_size: int) -> float:
+    """Seconds for the slowest rank to write its part of a checkpoint: fp32 weights and AdamW's two moments
+    (12 bytes per parameter) over the shards (dp_shard x tp; replicas write one copy), at checkpoint.write_gbps
+    per rank. A layout that does not fit the world size (a sweep's own layouts are not in the config the
+    launcher sees) counts as unsharded, the most any layout writes on one rank."""
+    from omegaconf import OmegaConf
+
+    from membudget.fit import parameter_count
+    from membudget.rules import mesh_degrees
+
+    try:
+        degrees = mesh_degrees(cfg.parallelism, world_size)
+        shards = degrees["dp_shard"] * degrees["tp"]
+    except UserError:
+        shards = 1
+    per_rank = 12 * parameter_count(cfg.model) / shards
+    gbps = OmegaConf.select(cfg, "checkpoint.write_gbps", default=None) or WRITE_GBPS
+    return per_rank / (gbps * 1e9)
+
+
+def signal_delay_s(cfg: Any) -> int:
+    """The SLURM launcher's signal_delay_s: time for the step in flight and the save, before the time limit;
+    at most half the job's time (a longer lead would signal right at the start). Read from the composed
+    config (the model, the parallelism and the launcher's nodes x tasks_per_node), so swept values of those
+    are not seen: set hydra.launcher.signal_delay_s when sweeping model sizes."""
+    launcher = cfg.hydra.launcher
+    lead = SIGNAL_SLACK_S
+    if cfg.checkpoint.enabled:
+        lead += checkpoint_write_s(cfg, int(launcher.nodes) * int(launcher.tasks_per_node))
+    return int(min(math.ceil(lead), 60 * launcher.timeout_min // 2))
+
+
+def register_resolvers() -> None:
+    """`${run_name:}` for Hydra's run/sweep dirs, `${rank_suffix:}` for each rank's own log file, and
+    `${signal_delay_s:}` for the SLURM launcher preset."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("run_name", run_name, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("rank_suffix", _rank_suffix, replace=True)
+    OmegaConf.register_new_resolver("signal_delay_s", lambda *, _root_: signal_delay_s(_root_), replace=True)

@@ -1,0 +1,67 @@
+"""`python -m membudget.plan <overrides>`: the plan of one setting, or a sweep (ac.memory_budget=sweep) or the
+auto choice (ac.memory_budget=auto), written as plan.json and plan.md (a sweep also sweep.png/.svg) into its
+Hydra dir, outputs/plan/<date>/<time>."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from membudget.errors import UserError
+
+from .planner import choose_or_explain, plan_setting, plan_sweep
+from .report import non_monotonic, plan_markdown, plot_sweep, sweep_markdown
+
+log = logging.getLogger("membudget")
+
+
+def run(cfg, out_dir: Path) -> dict:
+    """What the command does: plan, write plan.json and plan.md (a sweep: also the plots), log the table."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    budget = cfg.ac.memory_budget if str(cfg.ac.mode) == "memory_budget" else None
+    chosen = error = None
+    if budget in ("sweep", "auto"):
+        plans = plan_sweep(cfg)
+        if budget == "auto":
+            try:
+                chosen = choose_or_explain(plans, cfg, None)[1]
+            except UserError as e:  # raised once the sweep that shows it is written
+                error = e
+        text = sweep_markdown(plans, chosen) + ("" if chosen is None else "\n" + plan_markdown(chosen))
+        result = {"rank": 0, "plans": [p.to_dict() for p in plans],
+                  "non_monotonic": [p.label for p in non_monotonic(plans)],
+                  "chosen": None if chosen is None else chosen.to_dict()}
+        plot_sweep(plans, out_dir, chosen)
+    else:
+        plan = plan_setting(cfg)
+        text, result = plan_markdown(plan), {"rank": 0, **plan.to_dict()}
+    (out_dir / "plan.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out_dir / "plan.md").write_text(text)
+    log.info("\n%s\nwritten to %s", text, out_dir)
+    if error is not None:
+        raise error
+    return result
+
+
+def main() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from membudget.schema import register_configs
+
+    conf = Path(__file__).resolve().parents[2] / "conf"  # the repository's, as train.py's
+
+    @hydra.main(version_base="1.3", config_path=str(conf), config_name="config")
+    def plan_main(cfg) -> None:
+        try:
+            run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        except UserError as e:
+            log.error("error: %s", e)
+            sys.exit(2)
+
+    register_configs()
+    if not any(arg.startswith("hydra.run.dir=") for arg in sys.argv[1:]):
+        sys.argv.append("hydra.run.dir=outputs/plan/${now:%Y-%m-%d}/${now:%H-%M-%S}")
+    plan_main()

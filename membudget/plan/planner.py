@@ -1,0 +1,323 @@
+"""Plan AC settings of one run: measure a probe, replay the whole model's first two steps, price them in memory
+(allocated and, through the caching-allocator model, reserved) and in time, and judge them against the device."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from typing import Optional
+
+from membudget.ac import compiler_scope
+from membudget.errors import UserError
+from membudget.rules import SECTIONS, check_parallelism, check_train, compile_enabled, mesh_degrees, validate
+from membudget.schema import CompileBackend, RuntimeEstimator, ac_label
+from membudget.step import Numerics, StepShape
+
+from .allocator import CachingAllocator
+from .devices import CUDA_CONTEXT, NCCL_PER_COMMUNICATOR, assumed_device, expandable_segments
+from .measure import GRADIENTS, OptimizerRun, fake_world, probe_shape, run_optimizer, run_probe
+from .replay import Layout, Memory, consistent, simulate, two_steps
+from .result import DOES_NOT_FIT, FITS, NO_LIMIT, TIGHT, UNCERTAINTY, BlockCost, Plan, Setting, size
+from .timing import op_seconds, step_time
+
+log = logging.getLogger("membudget")
+GiB = 2**30
+_OPTIMIZER_RUNS: dict = {}  # this rank's shards and the optimizer settings -> OptimizerRun
+_REFERENCES: dict = {}  # the run without AC -> its forward and backward FLOPs per step
+
+
+def resolve_world_size(cfg, world_size: Optional[int]) -> int:
+    if world_size is None:
+        world_size = cfg.plan.world_size
+    if world_size is None:
+        p = cfg.parallelism
+        if -1 in (p.dp_replicate, p.dp_shard, p.tp):
+            raise UserError(f"parallelism={p.name} infers a degree from the world size: set plan.world_size=N")
+        world_size = p.dp_replicate * p.dp_shard * p.tp
+    return world_size
+
+
+class Planner:
+    """Plans the AC settings of one run (model, parallelism, shapes); a fake process group while open."""
+
+    def __init__(self, cfg, world_size: Optional[int] = None, device: Optional[str] = None):
+        """`device`: "cuda" or "cpu", the device the run trains on; None: train.device, where auto plans for a GPU
+        (a plan is often made where the run's GPUs are not)."""
+        self.cfg = cfg
+        self.world_size = resolve_world_size(cfg, world_size)
+        self.degrees = mesh_degrees(cfg.parallelism, self.world_size)
+        self.shape = StepShape.from_config(cfg, self.world_size)
+        target = device or ("cpu" if cfg.train.device == "cpu" else "cuda")
+        self.device = assumed_device(cfg.plan, target, local_ranks=self.world_size)  # CPU ranks share one host
+        self.numerics = Numerics.for_target(cfg, target, self.device.capability)
+        self.expandable = expandable_segments(cfg.plan)
+        target_gib = cfg.ac.target_memory_gib
+        if target_gib is not None:
+            self.limit: Optional[int] = int(target_gib * GiB)
+            self.limit_source = f"ac.target_memory_gib={target_gib:g}"
+        else:
+            margin = cfg.plan.margin_gib
+            self.limit = self.device.memory - int(margin * GiB) if self.device.memory else None
+            self.limit_source = f"the device's {size(self.device.memory)} less plan.margin_gib={margin:g}"
+
+    def __enter__(self) -> "Planner":
+        self._world = fake_world(self.cfg.parallelism, self.world_size)
+        self.mesh, self.groups = self._world.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._world.__exit__(*exc)
+
+    def point(self, mode: str, budget=None):
+        """The run's config with another AC mode or budget, as the planner runs it."""
+        cfg = copy.deepcopy(self.cfg)
+        cfg.ac.mode = mode
+        if budget is not None:
+            cfg.ac.memory_budget = budget
+        if dataclasses.is_dataclass(cfg):  # built without Hydra (scripts/gpu_check.py): the rules OmegaConf needs not
+            for check in SECTIONS:
+                check(cfg)
+            check_parallelism(cfg, self.world_size)
+            check_train(cfg, self.world_size)
+        else:
+            validate(cfg, self.world_size)
+        cfg.ac.visualize_pareto = False
+        cfg.ac.runtime_estimator = RuntimeEstimator.flops  # "profile" times kernels, which fake tensors cannot run
+        if compile_enabled(cfg) and cfg.compile.backend == CompileBackend.inductor:
+            cfg.compile.backend = CompileBackend.aot_eager_decomp_partition
+        return cfg
+
+    # --- measurement ---------------------------------------------------------------------------------------
+    def _probe(self, cfg):
+        n = cfg.model.n_layers
+        depth, period = probe_shape(cfg, n)
+        probe = run_probe(cfg, self.mesh, self.groups, self.numerics, self.shape.micro_batch, depth, period,
+                          self.shape.n_micro)
+        layout = Layout(n, depth, period)
+        if depth < n and not all(consistent(r, layout) for r in (probe.first, probe.accumulate) if r is not None):
+            log.warning("plan: the probe's middle blocks allocate differently; probing all %d blocks", n)
+            probe = run_probe(cfg, self.mesh, self.groups, self.numerics, self.shape.micro_batch, n, 1,
+                              self.shape.n_micro)
+            layout = Layout(n, n, 1)
+        return probe, layout
+
+    def _optimizer(self, cfg, probe) -> OptimizerRun:
+        n = cfg.model.n_layers
+        shards = probe.shards["outside"][:1] + probe.shards["block"] * n + probe.shards["outside"][1:]
+        key = (tuple(shards), self.numerics.target, repr(cfg.optimizer), cfg.train.max_grad_norm)
+        if key not in _OPTIMIZER_RUNS:
+            _OPTIMIZER_RUNS[key] = run_optimizer(cfg, shards, self.numerics)
+        return _OPTIMIZER_RUNS[key]
+
+    def reference(self) -> dict[str, float]:
+        """The step's FLOPs without AC and without compile: what recompute is counted against."""
+        key = (repr(self.cfg.model), repr(self.cfg.train), self.world_size, repr(self.degrees), self.numerics)
+        if key not in _REFERENCES:
+            cfg = self.point("none")
+            cfg.compile.enabled = False
+            with compiler_scope(cfg.ac):
+                probe, layout = self._probe(cfg)
+            flops = {"forward": 0, "backward": 0}
+            for kind, j in layout.order():
+                segment = probe.first.segments.get(layout.segment_name(kind, j))
+                if segment is not None:
+                    flops["backward" if kind in ("output backward", "backward") else "forward"] += segment.flops
+            _REFERENCES[key] = {k: self.shape.n_micro * v for k, v in flops.items()}
+        return _REFERENCES[key]
+
+    # --- one plan ------------------------------------------------------------------------------------------
+    def plan(self, cfg, label: Optional[str] = None, recompute: bool = True) -> Plan:
+        """Plan one point (from `point`); `recompute`: also count its recompute FLOPs against ac=none (one more
+        probe, once per Planner's run)."""
+        start = time.perf_counter()
+        n = cfg.model.n_layers
+        with compiler_scope(cfg.ac, n_layers=n):
+            probe, layout = self._probe(cfg)
+        optimizer = self._optimizer(cfg, probe)
+        transient = 0
+        if probe.sharded and self.numerics.target == "cpu":  # model.init_: one parameter at a time at full size
+            transient = max(probe.full_sizes)
+        phases = two_steps(probe, optimizer, n, self.shape.n_micro, transient)
+        allocated = simulate(phases)
+        reserved = reserved_other = None
+        max_allocated = allocated.allocated.nbytes
+        overheads = {}
+        if self.device.is_gpu:
+            reserved = simulate(phases, CachingAllocator(expandable=self.expandable))
+            reserved_other = simulate(phases, CachingAllocator(expandable=not self.expandable)).reserved
+            max_allocated = reserved.allocator_allocated
+            overheads = self._overheads()
+        verdict, reason = self._verdict(phases, allocated, reserved, overheads)
+        step2 = [p for p in phases if p.step == 2]
+        timing = step_time(step2, self.device, self.degrees)
+        reference = self.reference() if recompute else None
+        backward = sum(op.flops for p in step2 if p.kind == "backward" for op in p.ops)
+        activations = probe.first.activations
+        if layout.depth < n:  # each storage is counted in the block whose forward kept it
+            per_block = probe.first.per_block
+            activations = per_block.get(None, 0) + sum(per_block.get(layout.rep(j), 0) for j in range(n))
+        return Plan(
+            label=label or ac_label(cfg.ac),
+            ac_mode=str(cfg.ac.mode),
+            memory_budget=float(cfg.ac.memory_budget) if str(cfg.ac.mode) == "memory_budget" else None,
+            setting=self._setting(cfg),
+            device=self.device,
+            parameters=sum(probe.parameters) + n * sum(probe.block_parameters),
+            buffers=sum(probe.buffers),
+            gradients=_gradients(phases),
+            optimizer_states=optimizer.state_bytes,
+            activations=activations,
+            init_transient=transient,
+            allocated=allocated.allocated,
+            per_step=allocated.per_step,
+            reserved=None if reserved is None else reserved.reserved,
+            reserved_other=reserved_other,
+            max_allocated=max_allocated,
+            overheads=overheads,
+            limit=self.limit,
+            limit_source=self.limit_source,
+            verdict=verdict,
+            verdict_reason=reason,
+            time=timing,
+            tokens_per_step=self.shape.tokens_per_step,
+            forward_flops=reference["forward"] if reference else None,
+            recompute_flops=max(0.0, backward - reference["backward"]) if reference else None,
+            blocks=self._blocks(probe, layout),
+            seconds=time.perf_counter() - start,
+        )
+
+    def _overheads(self) -> dict[str, int]:
+        communicators = sum(1 for d in self.degrees.values() if d > 1)
+        terms = {"CUDA context": CUDA_CONTEXT}
+        if communicators:
+            terms["NCCL buffers"] = communicators * NCCL_PER_COMMUNICATOR
+        return terms
+
+    def _verdict(self, phases, allocated: Memory, reserved: Optional[Memory], overheads: dict) -> tuple[str, str]:
+        if not self.limit:
+            return NO_LIMIT, "no memory limit known: set ac.target_memory_gib"
+        # A device's memory holds the CUDA context and NCCL's buffers too; ac.target_memory_gib bounds what
+        # PyTorch's allocator reserves (what max_memory_reserved shows)
+        extra = sum(overheads.values()) if self.cfg.ac.target_memory_gib is None else 0
+        need = (reserved.reserved.nbytes if reserved is not None else allocated.allocated.nbytes) + extra
+        limit = self.limit
+        needs = f"needs {size(need)} of {size(limit)}"
+        if need <= limit * (1 - UNCERTAINTY):
+            return FITS, needs
+        if reserved is None:
+            if need <= limit:
+                return TIGHT, f"{needs}: within the plan's {UNCERTAINTY:.0%} uncertainty of the limit"
+            return DOES_NOT_FIT, needs
+        capped = simulate(phases, CachingAllocator(expandable=self.expandable, capacity=limit - extra))
+        if capped.ooms:
+            return DOES_NOT_FIT, f"{needs}; even releasing the allocator's cache, {capped.ooms} allocation(s) fail"
+        if need <= limit:
+            return TIGHT, f"{needs}: within the plan's {UNCERTAINTY:.0%} uncertainty of the limit"
+        return TIGHT, (f"{needs} with a full cache; fits only by releasing cached memory ({capped.retries} "
+                       f"cudaMalloc retries in two steps: slower)")
+
+    def _blocks(self, probe, layout) -> list[BlockCost]:
+        """Per probe block: what it keeps and costs, for choosing budgets block by block."""
+        costs = []
+        segments = probe.first.segments
+        for b in range(layout.depth):
+            fwd, bwd = segments.get(f"forward {b}"), segments.get(f"backward {b}")
+            if fwd is None or bwd is None:
+                continue
+            seconds = (lambda s: sum(op_seconds(op, self.device) for op in s.ops if op.collective is None)
+                       if self.device.is_gpu else None)
+            costs.append(BlockCost(b, probe.first.per_block.get(b, 0), fwd.flops, bwd.flops, seconds(fwd),
+                                   seconds(bwd)))
+        return costs
+
+    def _setting(self, cfg) -> Setting:
+        compiled = compile_enabled(cfg)
+        return Setting(
+            model=cfg.model.name, world_size=self.world_size, seq_len=cfg.train.seq_len, **self.degrees,
+            micro_batch=self.shape.micro_batch, grad_accumulation=self.shape.n_micro,
+            dtype="bf16 autocast" if self.numerics.bf16 else "fp32", attention=self.numerics.attention,
+            compile=compiled, configured_backend=str(self.cfg.compile.backend),
+            planned_backend=str(cfg.compile.backend) if compiled else None,
+            allocator="expandable segments" if self.expandable else "default")
+
+
+def _gradients(phases) -> int:
+    """Gradient bytes alive at the end of step 1's backward (before the optimizer step)."""
+    live = {}
+    for phase in phases:
+        if phase.kind == "optimizer":
+            break
+        for event in phase.events:
+            if event[0] == "a" and event[4] == GRADIENTS:
+                live[event[1]] = event[2]
+            elif event[0] == "f":
+                live.pop(event[1], None)
+    return sum(live.values())
+
+
+# --- entry points ----------------------------------------------------------------------------------------
+
+SWEEP_BUDGETS = tuple(round(0.1 * i, 1) for i in range(11))
+
+
+def _label(cfg, mode: str, budget=None) -> str:
+    return ac_label({"mode": mode, "memory_budget": budget, "selective_option": str(cfg.ac.selective_option)})
+
+
+def plan_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> Plan:
+    """The plan of `cfg`'s own AC setting; for ac.memory_budget=auto, of the setting it chooses."""
+    budget = cfg.ac.memory_budget if str(cfg.ac.mode) == "memory_budget" else None
+    if budget == "auto":
+        return choose_budget(cfg, world_size, device)[1]
+    with Planner(cfg, world_size, device) as planner:
+        return planner.plan(planner.point(cfg.ac.mode, budget), _label(cfg, cfg.ac.mode, budget))
+
+
+def plan_sweep(cfg, world_size: Optional[int] = None, references: bool = True,
+               device: Optional[str] = None) -> list[Plan]:
+    """none, full, selective (as configured) and memory budgets 0.0, 0.1, ..., 1.0."""
+    with Planner(cfg, world_size, device) as planner:
+        modes = [(m, None) for m in ("none", "full", "selective")] if references else []
+        return [planner.plan(planner.point(m, b), _label(cfg, m, b))
+                for m, b in modes + [("memory_budget", b) for b in SWEEP_BUDGETS]]
+
+
+def choose(plans: list[Plan]) -> Optional[Plan]:
+    """The fastest budget whose planned peak fits (without a time model: the least recompute), ties broken by the
+    lower reserved peak; None when none fits."""
+    fitting = [p for p in plans if p.ac_mode == "memory_budget" and p.fits]
+    return min(fitting, key=lambda p: (p.step_seconds if p.step_seconds is not None else p.recompute_flops,
+                                       p.reserved_peak, -p.memory_budget), default=None)
+
+
+def choose_budget(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> tuple[float, Plan]:
+    """For ac.memory_budget=auto: the fastest budget whose reserved peak fits ac.target_memory_gib (default: the
+    device's memory less plan.margin_gib); `device`: the one the run trains on (see Planner). UserError when none
+    fits."""
+    return choose_or_explain(plan_sweep(cfg, world_size, references=False, device=device), cfg, world_size, device)
+
+
+def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int],
+                      device: Optional[str] = None) -> tuple[float, Plan]:
+    if plans[0].verdict == NO_LIMIT:
+        raise UserError("ac.memory_budget=auto: no memory limit known for this device: "
+                        "set ac.target_memory_gib=N (GiB)")
+    best = choose(plans)
+    if best is not None:
+        return best.memory_budget, best
+    lowest = min(plans, key=lambda p: p.reserved_peak)
+    full = next((p for p in plans if p.ac_mode == "full"), None)
+    if full is None:
+        with Planner(cfg, world_size, device) as planner:
+            full = planner.plan(planner.point("full"), "full")
+    raise UserError(
+        f"ac.memory_budget=auto: no budget fits {_gib(lowest.limit)} GiB per rank on {lowest.device.name} "
+        f"(lowest planned reserved peak {_gib(lowest.reserved_peak)} GiB, {lowest.label}: {lowest.verdict}); "
+        f"ac=full plans {_gib(full.reserved_peak)} GiB ({full.verdict}); or lower train.micro_batch_size / "
+        f"train.seq_len, or shard over more ranks (parallelism=fsdp with a larger plan.world_size)")
+
+
+def _gib(nbytes: Optional[int]) -> str:
+    return "-" if nbytes is None else f"{nbytes / GiB:.4g}"

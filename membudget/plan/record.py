@@ -1,0 +1,211 @@
+"""The op-level recorder: every allocation and free of a step in program order, with the stream it is made on,
+and every op's FLOPs and bytes, in segments between marks.
+
+Why our own and not torch's tools: the caching-allocator model needs the ordered trace of allocations and frees
+with each one's stream, which MemTracker (peaks per module and category) does not keep, and the time model needs
+each op's FLOPs and bytes on this rank, where FlopCounterMode sums per module and counts a DTensor op at its global
+shape. The FLOP formulas are torch's (`flop_registry`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from typing import Iterator, Optional
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
+
+from membudget.internals import TorchDispatchMode, op_packet, op_schema, storage_key, tree_leaves
+
+from .trace import Alloc, Collective, Event, Free, FreeCarried, Op, Segment
+
+aten = torch.ops.aten
+# torch's formulas, plus CPU's flash attention (same arguments first), so CPU plans count attention too
+FLOPS = {
+    **flop_registry,
+    aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[aten._scaled_dot_product_flash_attention],
+    aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        flop_registry[aten._scaled_dot_product_flash_attention_backward],
+}
+# Ops that only make storage: no bytes move
+_NO_DATA = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.empty_like}
+_CAUSAL = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
+           aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_efficient_attention_backward,
+           aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward}
+_COLLECTIVES = {  # op name (without namespace) -> kind
+    "all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather", "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce", "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce", "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all",
+}
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class Recorder(TorchDispatchMode):
+    """Records the ops that run while it is on and the storages they allocate (an output whose storage no input
+    has, or a storage resized up: FSDP2 allocates and frees unsharded parameters that way) until each dies.
+    Compiled graphs are recorded too: with `ignore_compile_internals` Dynamo keeps this mode off while it traces
+    and on while the graph runs, and aot_eager graphs run op by op. A storage allocated before `start()` that is
+    freed while recording is a `FreeCarried` of its size."""
+
+    # Compiled graphs call higher-order ops (full AC's run_and_save_rng_state): seen here too, their outputs
+    # counted, their inner op not priced
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __init__(self, group_names: Optional[dict[str, tuple[str, int]]] = None):
+        super().__init__()
+        self.segments: list[Segment] = []
+        self.recording = False
+        self._group_names = group_names or {}  # process group name -> (mesh dimension, ranks)
+        self._keys = WeakIdKeyDictionary()  # storage -> [key of its current allocation, bytes], kept by its finalizer
+        self._next_key = 0
+        self._streams = {id(torch.cpu.current_stream()): 0}  # the default stream is 0
+        self.communication: set[int] = set()  # keys allocated by collectives, FSDP2's copies and its resizes
+        self.mark("before")
+
+    # --- segments ------------------------------------------------------------------------------------------
+    def mark(self, name: str) -> None:
+        self.segments.append(Segment(name))
+
+    def start(self) -> None:
+        """Record from here: storages allocated so far are old (their frees are carried ones)."""
+        for entry in self._keys.values():
+            entry[2] = False
+        self.recording = True
+        self.segments = [Segment("start")]
+
+    def stop(self) -> None:
+        """Stop recording: frees after this (the probe's model dying) belong to no segment."""
+        self.recording = False
+
+    def _event(self, event: Event) -> None:
+        if self.recording:
+            self.segments[-1].events.append(event)
+
+    # --- allocations ---------------------------------------------------------------------------------------
+    def _stream(self) -> int:
+        # FSDP2 runs its copy-in, all-gather and reduce-scatter under its own streams; on the CPU they are
+        # torch.cpu.Stream objects made current by torch.cpu.stream(), which the planner reads back
+        stream = torch.cpu.current_stream()
+        return self._streams.setdefault(id(stream), len(self._streams))
+
+    def _resize(self, storage: torch.UntypedStorage, nbytes: int, communication: bool = False) -> None:
+        entry = self._keys.get(storage)
+        if entry is None:
+            entry = self._keys[storage] = [None, 0, self.recording]
+            weakref.finalize(storage, self._died, entry)
+        if entry[1]:
+            self._free(entry)
+        if nbytes:
+            entry[0], entry[1], entry[2] = self._next_key, nbytes, self.recording
+            self._next_key += 1
+            self._event(Alloc(entry[0], nbytes, self._stream()))
+            if communication:
+                self.communication.add(entry[0])
+
+    def _free(self, entry: list) -> None:
+        if entry[2]:
+            self._event(Free(entry[0]))
+        else:
+            self._event(FreeCarried(entry[1]))
+        entry[1] = 0
+
+    def _died(self, entry: list) -> None:
+        if entry[1]:
+            self._free(entry)
+
+    def key_of(self, storage: torch.UntypedStorage) -> Optional[int]:
+        """The key of a live storage's current allocation (None: not allocated while recording)."""
+        entry = self._keys.get(storage)
+        return entry[0] if entry is not None and entry[1] and entry[2] else None
+
+    @contextmanager
+    def tracking(self) -> Iterator["Recorder"]:
+        """On for the ops, and for `UntypedStorage.resize_`, which no dispatch mode sees."""
+        resize = torch.UntypedStorage.resize_
+
+        def tracked_resize(storage, nbytes):
+            resize(storage, nbytes)
+            self._resize(storage, nbytes, communication=True)
+
+        with mock.patch.object(torch.UntypedStorage, "resize_", tracked_resize), self:
+            yield self
+
+    # --- ops -----------------------------------------------------------------------------------------------
+    def _collective(self, func, args, out) -> Optional[Collective]:
+        kind = _COLLECTIVES.get(op_schema(func).name.split("::")[-1])
+        if kind is None:
+            return None
+        nbytes = max((t.numel() * t.element_size() for t in _tensors((args, out))), default=0)
+        leaves = tree_leaves(args)
+        boxed = next((a for a in leaves if isinstance(a, torch.ScriptObject)), None)
+        if boxed is not None:  # c10d ops take the process group
+            group = dist.ProcessGroup.unbox(boxed)
+            name, ranks = group.group_name, group.size()
+        else:  # functional collectives take its name
+            name = next((a for a in leaves if isinstance(a, str) and a in self._group_names), None)
+            ranks = self._group_names[name][1] if name is not None else 1
+        return Collective(kind, nbytes, ranks, self._group_names.get(name, (None,))[0])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:
+            return NotImplemented  # DTensor runs its local ops through this mode
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            # Eagerly the input itself; its fake kernel makes a new tensor. So the output keeps the input's
+            # (counted) storage alive, as the alias would: else a waited collective's output goes uncounted.
+            kept = args[0].untyped_storage()
+            if storage_key(out.untyped_storage()) != storage_key(kept):
+                weakref.finalize(out.untyped_storage(), lambda: kept)
+            return out
+        inputs = _tensors((args, kwargs))
+        outputs = _tensors(out)
+        input_storages = {storage_key(t.untyped_storage()) for t in inputs}
+        new = []
+        communication = getattr(func, "namespace", None) in ("fsdp", "c10d", "_c10d_functional")
+        for t in outputs:
+            storage = t.untyped_storage()
+            if storage_key(storage) not in input_storages and storage not in self._keys:
+                new.append(t)
+                self._resize(storage, storage.nbytes(), communication)
+        if self.recording and op_schema(func) is not None:
+            self._record_op(func, args, kwargs, out, inputs, new)
+        return out
+
+    def _record_op(self, func, args, kwargs, out, inputs, new) -> None:
+        packet = op_packet(func)
+        formula = FLOPS.get(packet)
+        flops = formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        if packet in _CAUSAL and _causal(func, args, kwargs):
+            flops //= 2  # the kernels skip the masked half of the scores; torch's formula counts the square
+        outputs = _tensors(out)
+        # what moves through HBM: the inputs and what is written (new outputs, or an in-place op's); views,
+        # metadata ops and bare allocations move nothing
+        written = new or (outputs if op_schema(func).is_mutable else [])
+        nbytes = 0 if packet in _NO_DATA or not written else sum(t.numel() * t.element_size() for t in inputs + written)
+        low = bool(outputs) and outputs[0].dtype in (torch.bfloat16, torch.float16)
+        self.segments[-1].ops.append(Op(str(packet), int(flops), int(nbytes), low, self._collective(func, args, out)))
+
+
+def _causal(func, args, kwargs) -> bool:
+    schema = op_schema(func)
+    names = [a.name for a in schema.arguments]
+    if "is_causal" not in names:
+        return False
+    i = names.index("is_causal")
+    return bool(kwargs.get("is_causal", args[i] if i < len(args) else False))

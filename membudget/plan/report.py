@@ -1,0 +1,158 @@
+"""plan.md, plan.json and the sweep's plots: what a plan says, in words a user reads before a GPU job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from .measure import CATEGORIES
+from .result import DOES_NOT_FIT, Plan, size
+
+GiB = 2**30
+
+
+def gib(nbytes: Optional[int]) -> str:
+    return "-" if nbytes is None else f"{nbytes / GiB:.2f}"
+
+
+def _compile_words(plan: Plan) -> str:
+    s = plan.setting
+    if not s.compile:
+        return "blocks not compiled (eager)"
+    if s.planned_backend != s.configured_backend:
+        return (f"blocks compiled with {s.configured_backend}, planned as {s.planned_backend} (the same "
+                f"decompositions, partitioner and budget, without code generation)")
+    return f"blocks compiled with {s.planned_backend}"
+
+
+def _verdict(plan: Plan) -> str:
+    return plan.verdict.upper() if plan.verdict == DOES_NOT_FIT else plan.verdict
+
+
+def plan_markdown(plan: Plan) -> str:
+    s, d = plan.setting, plan.device
+    rows = [("allocated peak", plan.allocated.nbytes, plan.allocated.describe())]
+    if plan.reserved is not None:
+        other = "default" if s.allocator != "default" else "expandable segments"
+        rows += [(f"reserved peak ({s.allocator} allocator)", plan.reserved.nbytes, plan.reserved.describe()),
+                 ("torch.cuda.max_memory_allocated (blocks as rounded)", plan.max_allocated, ""),
+                 (f"reserved peak with the {other} allocator", plan.reserved_other.nbytes,
+                  plan.reserved_other.describe())]
+        rows += [(f"outside the allocator: {name}", nbytes, "") for name, nbytes in plan.overheads.items()]
+        rows.append(("needed: reserved peak and the above", plan.needed, ""))
+    rows.append((f"limit: {plan.limit_source}", plan.limit, ""))
+    lines = [
+        f"# Plan: {s.model}, {plan.label}",
+        "",
+        f"**{_verdict(plan)}**: {plan.verdict_reason}.",
+        "",
+        f"Device: {d.name} ({d.reason}). Each of {s.world_size} ranks alike (dp_replicate {s.dp_replicate}, "
+        f"dp_shard {s.dp_shard}, tp {s.tp}; FSDP2 pads every shard to one size); micro-batch "
+        f"{s.micro_batch} x {s.seq_len} tokens, {s.grad_accumulation} per step; {s.dtype}, {s.attention} attention; "
+        f"{_compile_words(plan)}; planned in {plan.seconds:.1f} s.",
+        "",
+        "| memory per rank | | when |", "|---|---:|---|",
+        *[f"| {name} | {size(value)} | {when} |" for name, value, when in rows],
+        "",
+        "| part | at the allocated peak | at the reserved peak |", "|---|---:|---:|",
+    ]
+    reserved = plan.reserved.breakdown if plan.reserved is not None else {}
+    for part in (*CATEGORIES, "allocator slack"):
+        lines.append(f"| {part} | {size(plan.allocated.breakdown.get(part))} | {size(reserved.get(part))} |")
+    lines += [
+        "",
+        f"Per rank: parameters {size(plan.parameters)}, buffers {size(plan.buffers)}, gradients "
+        f"{size(plan.gradients)}, AdamW states {size(plan.optimizer_states)}; activations saved for backward "
+        f"{size(plan.activations)} a micro-batch; initialisation holds {size(plan.init_transient)} more than the "
+        "parameters (a CPU mesh initialises each parameter at full size, a GPU mesh each shard in place).",
+        "",
+        "| step | allocated peak | when |", "|---|---:|---|",
+        *[f"| {step}{' (no optimizer states before its optimizer step)' if step == 1 else ''} | {size(m.nbytes)} | "
+          f"{m.phase} |" for step, m in sorted(plan.per_step.items()) if step],
+        "",
+    ]
+    if plan.time is not None:
+        t = plan.time
+        lines += [
+            f"Predicted on {d.name}: {t.seconds:.3f} s a step, {plan.tokens_per_s_per_device:,.0f} tokens/s per "
+            f"device ({plan.tokens_per_s:,.0f} in all); compute {t.compute:.3f} s, FSDP communication "
+            f"{t.communication:.3f} s of which {t.exposed_communication:.3f} s exposed; recompute "
+            f"{plan.recompute_flops / 1e12:.4g} TFLOP ({plan.recompute_ratio:.0%} of the forward).",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def non_monotonic(plans: list[Plan]) -> list[Plan]:
+    """Budget points whose reserved peak is below that of a smaller budget: the peak is not monotonic there."""
+    budgets = sorted((p for p in plans if p.ac_mode == "memory_budget"), key=lambda p: p.memory_budget)
+    return [p for i, p in enumerate(budgets) if any(q.reserved_peak > p.reserved_peak for q in budgets[:i])]
+
+
+def sweep_markdown(plans: list[Plan], chosen: Optional[Plan] = None) -> str:
+    first = plans[0]
+    flagged = non_monotonic(plans)
+    timed = first.time is not None
+    lines = [
+        f"# Sweep: {first.setting.model}, each of {first.setting.world_size} ranks, limit {size(first.limit)} on "
+        f"{first.device.name} ({first.device.reason})",
+        "",
+        "| setting | activations | allocated peak | " + ("reserved peak | " if first.reserved else "")
+        + "when | verdict | " + ("step s | tokens/s per device | " if timed else "") + "recompute (of forward) |",
+        "|---|---:|---:|" + ("---:|" if first.reserved else "") + "---|---|" + ("---:|---:|" if timed else "")
+        + "---:|",
+    ]
+    for p in plans:
+        note = (" (peak below a smaller budget's)" if p in flagged else "") + (" **chosen**" if p is chosen else "")
+        when = (p.reserved or p.allocated).describe()
+        speed = f"{p.step_seconds:.3f} | {p.tokens_per_s_per_device:,.0f} | " if timed else ""
+        reserved = f"{size(p.reserved_peak)} | " if first.reserved else ""
+        lines.append(f"| {p.label}{note} | {size(p.activations)} | {size(p.peak)} | {reserved}{when} | {p.verdict} | "
+                     f"{speed}{p.recompute_ratio:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_sweep(plans: list[Plan], out_dir: Path, chosen: Optional[Plan] = None) -> list[Path]:
+    """Reserved peak against predicted step time (recompute FLOPs without a time model), and the peak against
+    the budget; PNG and SVG."""
+    from matplotlib.figure import Figure  # no pyplot: the Agg canvas, no display
+
+    timed = plans[0].time is not None
+    x_of = (lambda p: p.step_seconds) if timed else (lambda p: 100 * p.recompute_ratio)
+    budgets = sorted((p for p in plans if p.ac_mode == "memory_budget"), key=lambda p: p.memory_budget)
+    flagged = non_monotonic(plans)
+    fig = Figure(figsize=(12, 5), layout="constrained")
+    ax, peak_ax = fig.subplots(1, 2)
+    ax.plot([x_of(p) for p in budgets], [p.reserved_peak / GiB for p in budgets], "o-", label="memory budget")
+    labels: dict[tuple[float, float], list[str]] = {}  # budgets that land on one point share a label
+    for p in budgets:
+        labels.setdefault((round(x_of(p), 6), round(p.reserved_peak / GiB, 3)), []).append(f"{p.memory_budget:g}")
+    for xy, names in labels.items():
+        ax.annotate(", ".join(names), xy, textcoords="offset points", xytext=(4, 4), fontsize=8)
+    peak_ax.plot([p.memory_budget for p in budgets], [p.reserved_peak / GiB for p in budgets], "o-",
+                 label="memory budget")
+    for p, marker in zip((p for p in plans if p.ac_mode != "memory_budget"), "s^D"):
+        (point,) = ax.plot(x_of(p), p.reserved_peak / GiB, marker, markersize=9, label=p.label)
+        peak_ax.axhline(p.reserved_peak / GiB, linestyle=":", color=point.get_color(), label=p.label)
+    for p in flagged:
+        peak_ax.plot(p.memory_budget, p.reserved_peak / GiB, "o", markersize=14, mfc="none", mec="red")
+    if flagged:
+        peak_ax.plot([], [], "o", mfc="none", mec="red", label="peak below a smaller budget's")
+    if chosen is not None:
+        ax.plot(x_of(chosen), chosen.reserved_peak / GiB, "*", markersize=16, color="green", label="chosen (auto)")
+        peak_ax.plot(chosen.memory_budget, chosen.reserved_peak / GiB, "*", markersize=16, color="green",
+                     label="chosen (auto)")
+    if plans[0].limit is not None:
+        for axis in (ax, peak_ax):
+            axis.axhline(plans[0].limit / GiB, color="gray", linestyle="--", label="limit")
+    memory = "reserved" if plans[0].reserved is not None else "allocated"
+    ax.set(xlabel=f"predicted step time on {plans[0].device.name}, s" if timed else "recompute, % of forward FLOPs",
+           ylabel=f"{memory} peak, GiB per rank", title="memory against time")
+    peak_ax.set(xlabel="ac.memory_budget", ylabel=f"{memory} peak, GiB per rank", title="peak against the budget")
+    for axis in (ax, peak_ax):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    paths = [out_dir / f"sweep.{fmt}" for fmt in ("png", "svg")]
+    for path in paths:
+        fig.savefig(path)
+    return paths

@@ -1,0 +1,146 @@
+"""What a plan says about one AC setting, per rank: memory by part, the peaks of allocated and reserved memory
+and when they happen, the verdict against the device, and the predicted step time."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .devices import Device
+from .replay import Moment
+from .timing import StepTime
+
+GiB = 2**30
+# How far the predicted reserved peak may be from the measured one: issue 14's target, above the worst error
+# over the public measurements of programs the planner models (docs/planner/evidence.csv: 1.9 %;
+# tests/test_plan_evidence.py holds every such row within it). A peak within this of the limit is "tight".
+UNCERTAINTY = 0.05
+
+FITS, TIGHT, DOES_NOT_FIT, NO_LIMIT = "fits", "tight", "does not fit", "no limit known"
+
+
+def size(nbytes: Optional[int]) -> str:
+    """Bytes for a reader: GiB, MiB or KiB with three significant digits."""
+    if nbytes is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes / 1024:.3g} KiB"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What was planned, beyond the AC setting."""
+
+    model: str
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    seq_len: int
+    micro_batch: int
+    grad_accumulation: int
+    dtype: str
+    attention: str
+    compile: bool
+    configured_backend: str
+    planned_backend: Optional[str]
+    allocator: str  # "default" | "expandable segments"
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One probe block under the setting: what it keeps and what it costs (per micro-batch)."""
+
+    block: int
+    activation_bytes: int
+    forward_flops: int
+    backward_flops: int  # recompute included
+    forward_seconds: Optional[float]
+    backward_seconds: Optional[float]
+
+
+@dataclass
+class Plan:
+    label: str
+    ac_mode: str
+    memory_budget: Optional[float]
+    setting: Setting
+    device: Device
+    parameters: int  # this rank's shards (FSDP2's padding included) and the RoPE buffer below
+    buffers: int
+    gradients: int
+    optimizer_states: int
+    activations: int  # training's activation_bytes (one micro-batch)
+    init_transient: int  # what initialisation holds beyond the parameters (CPU meshes: the largest at full size)
+    allocated: Moment  # the peak of allocated bytes over initialisation and the first two steps
+    per_step: dict[int, Moment]
+    reserved: Optional[Moment]  # the caching allocator's reserved peak, as configured (None: a CPU)
+    reserved_other: Optional[Moment]  # the same under the other allocator setting
+    max_allocated: int  # torch.cuda.max_memory_allocated (blocks as the allocator rounds them)
+    overheads: dict[str, int]  # device memory outside the allocator
+    limit: Optional[int]  # what the rank may use: ac.target_memory_gib, else device memory less plan.margin_gib
+    limit_source: str
+    verdict: str
+    verdict_reason: str
+    time: Optional[StepTime]
+    tokens_per_step: int
+    forward_flops: Optional[float]  # the step's forward, ac=none (None: not counted)
+    recompute_flops: Optional[float]  # extra forward FLOPs run in backward, against ac=none
+    blocks: list[BlockCost] = field(default_factory=list)
+    seconds: float = 0.0  # planning time
+
+    @property
+    def peak(self) -> int:
+        """The allocated peak: what the CPU holds, and torch.cuda.memory_allocated before rounding."""
+        return self.allocated.nbytes
+
+    @property
+    def reserved_peak(self) -> int:
+        return self.reserved.nbytes if self.reserved is not None else self.allocated.nbytes
+
+    @property
+    def needed(self) -> int:
+        """What the device must hold at the peak: reserved memory and what lies outside the allocator."""
+        return self.reserved_peak + sum(self.overheads.values())
+
+    @property
+    def target(self) -> Optional[int]:
+        return self.limit
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.verdict == NO_LIMIT else self.verdict == FITS
+
+    @property
+    def step_seconds(self) -> Optional[float]:
+        return None if self.time is None else self.time.seconds
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        return None if self.time is None else self.tokens_per_step / self.time.seconds
+
+    @property
+    def tokens_per_s_per_device(self) -> Optional[float]:
+        return None if self.time is None else self.tokens_per_s / self.setting.world_size
+
+    @property
+    def recompute_ratio(self) -> float:
+        return self.recompute_flops / self.forward_flops if self.forward_flops and self.recompute_flops else 0.0
+
+    def summary_line(self) -> str:
+        """One line for the trainer's log."""
+        where = f"{self.device.name} ({self.device.reason})"
+        limit = "" if self.limit is None else f" of {size(self.limit)} ({self.limit_source})"
+        speed = "" if self.time is None else f", predicted {self.tokens_per_s_per_device:,.0f} tokens/s per device"
+        memory = f"reserved peak {size(self.reserved_peak)}" if self.reserved is not None else f"peak {size(self.peak)}"
+        return f"planned {memory}{limit} per rank: {self.verdict}{speed}; {where}"
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data.update(peak=self.peak, reserved_peak=self.reserved_peak, needed=self.needed, fits=self.fits,
+                    step_seconds=self.step_seconds, tokens_per_s=self.tokens_per_s,
+                    tokens_per_s_per_device=self.tokens_per_s_per_device, recompute_ratio=self.recompute_ratio)
+        return data

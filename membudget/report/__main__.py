@@ -1,0 +1,5 @@
+import sys
+
+from membudget.report.cli import main
+
+sys.exit(main())

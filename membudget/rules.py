@@ -1,0 +1,286 @@
+"""The rules that span fields, one small function per config section, checked before anything heavy loads.
+
+Types, keys and choices are the schema's job (Hydra rejects them at composition); what is left is how values
+relate: a budget needs a compiler that reads it, mesh degrees must multiply to the world size, a TP degree must
+divide the heads. Each failure is a UserError of one line: `key=value: what is wrong; the fix`, and every
+override a fix suggests composes (tests/test_bad_input.py checks that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from enum import Enum
+from typing import Any
+
+from membudget.errors import UserError
+from membudget.schema import (
+    BUDGET_BACKENDS,
+    ACMode,
+    RunConfig,
+    Solver,
+    budget_of,
+    ffn_hidden_size,
+    parse_block_budgets,
+)
+
+# torch.manual_seed takes at most 64 bits
+_MAX_SEED = 2**64 - 1
+
+
+def fail(key: str, value: Any, fix: str) -> None:
+    shown = value.value if isinstance(value, Enum) else value
+    raise UserError(f"{key}={shown!r}: {fix}")
+
+
+def compile_enabled(cfg: Any) -> bool:
+    """Whether blocks are compiled: the explicit setting, else on exactly for ac=memory_budget."""
+    if cfg.compile.enabled is None:
+        return cfg.ac.mode == ACMode.memory_budget
+    return bool(cfg.compile.enabled)
+
+
+def mesh_degrees(p: Any, world_size: int) -> dict[str, int]:
+    """The degrees of the (dp_replicate, dp_shard, tp) mesh, one -1 inferred from the world size."""
+    degrees = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
+    for key, value in degrees.items():
+        if value == 0 or value < -1:
+            fail(f"parallelism.{key}", value, "use a positive degree, or -1 to infer it from the world size")
+    inferred = [k for k, v in degrees.items() if v == -1]
+    if len(inferred) > 1:
+        fail(f"parallelism.{inferred[1]}", -1, "only one degree can be -1 (inferred); set the others")
+    known = math.prod(v for v in degrees.values() if v != -1)
+    if inferred:
+        if world_size % known:
+            fail(f"parallelism.{inferred[0]}", -1, f"world size {world_size} is not a multiple of the other degrees' "
+                 f"product {known}; launch a multiple of {known} processes")
+        degrees[inferred[0]] = world_size // known
+    product = math.prod(degrees.values())
+    if product != world_size:
+        shown = ", ".join(f"{k}={v}" for k, v in degrees.items())
+        fail("parallelism", p.name, f"degrees {shown} multiply to {product} but the world size is {world_size}; "
+             f"launch {product} processes or set one degree to -1 to infer it")
+    return degrees
+
+
+def _torch_version() -> str:
+    from importlib.metadata import version  # not `import torch`: validation runs before torch loads
+
+    return version("torch").split("+")[0]
+
+
+def dp_size(cfg: Any, world_size: int) -> int:
+    degrees = mesh_degrees(cfg.parallelism, world_size)
+    return degrees["dp_replicate"] * degrees["dp_shard"]
+
+
+# --- the whole config ------------------------------------------------------------------------------------
+
+def check_resolvable(cfg: Any) -> None:
+    """A value left at ??? or an interpolation that does not resolve (${nope}) is named, not a traceback."""
+    from omegaconf import OmegaConf  # here, not at the top: scripts/gpu_check.py imports the rules without it
+    from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except (MissingMandatoryValue, InterpolationResolutionError) as e:
+        value: Any = OmegaConf.to_container(cfg, resolve=False)
+        for part in e.full_key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        fail(e.full_key, value, f"{str(e).splitlines()[0]}; set a value, e.g. {e.full_key}=<value>")
+
+
+def check_known_keys(cfg: Any) -> None:
+    """`+section.key=value` appends a key the schema lacks, which nothing would read: name it."""
+    from omegaconf import OmegaConf
+    schema = {f.name: {g.name for g in dataclasses.fields(f.default_factory)} for f in dataclasses.fields(RunConfig)}
+    for section in cfg:
+        known = schema.get(section)
+        extra = [section] if known is None else [f"{section}.{k}" for k in cfg[section] if k not in known]
+        if extra:
+            fail(extra[0], OmegaConf.select(cfg, extra[0]), "not a config key, so nothing reads it: check its spelling")
+
+
+# --- per section -------------------------------------------------------------------------------------------
+
+def check_ac(cfg: Any) -> None:
+    ac = cfg.ac
+    if ac.mode == ACMode.selective:
+        opt = str(ac.selective_option)
+        if opt != "op" and not (opt.isdigit() and int(opt) > 0):
+            fail("ac.selective_option", ac.selective_option,
+                 "use 'op' for the per-op policy or a positive integer N to fully checkpoint every N-th block")
+    if ac.force_recompute_modules and not (ac.mode == ACMode.selective and str(ac.selective_option) == "op"):
+        fail("ac.force_recompute_modules", list(ac.force_recompute_modules),
+             "only ac=selective with ac.selective_option=op reads it; drop it, or use ac=selective")
+    if ac.mode != ACMode.memory_budget:
+        return
+    check_budget(cfg)
+    if cfg.compile.enabled is False:
+        fail("compile.enabled", False,
+             "ac=memory_budget works inside the compiler: drop compile.enabled=false (it turns compile on)")
+    if cfg.compile.backend not in BUDGET_BACKENDS:
+        fail("compile.backend", cfg.compile.backend, "this backend's partitioner ignores the memory budget: use "
+             "compile.backend=inductor (or aot_eager_decomp_partition for fast CPU tests)")
+    if ac.solver == Solver.ilp:
+        try:
+            import scipy.optimize  # noqa: F401
+        except ImportError:
+            fail("ac.solver", "ilp", "the ilp solver needs scipy: pip install scipy (or use ac.solver=dp)")
+    if ac.visualize_pareto:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            fail("ac.visualize_pareto", True, "the Pareto plots need matplotlib: pip install matplotlib")
+
+
+def check_budget(cfg: Any, planning: bool = False) -> None:
+    """A budget in [0, 1], per block or auto; `sweep` only for the planner."""
+    ac = cfg.ac
+    budget = budget_of(ac)
+    if budget == "sweep":
+        if not planning:
+            fail("ac.memory_budget", budget, "a sweep is planned, not trained: python -m membudget.plan "
+                 "ac=memory_budget ac.memory_budget=sweep; train with a number or auto")
+        return
+    if budget == "auto":
+        if ac.target_memory_gib is not None and not 0 < ac.target_memory_gib < math.inf:
+            fail("ac.target_memory_gib", ac.target_memory_gib, "set a positive number of GiB per rank")
+        return
+    if isinstance(budget, str):
+        try:
+            budgets = parse_block_budgets(budget)
+        except ValueError:
+            fail("ac.memory_budget", budget, "set a number in [0, 1], auto, or one budget per block such as "
+                 f"ac.memory_budget=0.3*{cfg.model.n_layers // 2}+0.6*{cfg.model.n_layers - cfg.model.n_layers // 2}")
+        if len(budgets) != cfg.model.n_layers:
+            fail("ac.memory_budget", budget, f"gives {len(budgets)} budgets but model.n_layers={cfg.model.n_layers}; "
+                 f"give one per block, e.g. ac.memory_budget=0.5*{cfg.model.n_layers}")
+    else:
+        budgets = [budget]
+    for b in budgets:
+        if math.isnan(b) or not 0.0 <= b <= 1.0:
+            fail("ac.memory_budget", budget,
+                 "set numbers in [0, 1]: 0.0 recomputes the whole compiled block, 1.0 is the default plan")
+
+
+def check_model(cfg: Any) -> None:
+    m = cfg.model
+    for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len", "rope_original_max_seq_len"):
+        if getattr(m, key) <= 0:
+            fail(f"model.{key}", getattr(m, key), "must be a positive integer")
+    if m.n_kv_heads is not None and m.n_kv_heads <= 0:
+        fail("model.n_kv_heads", m.n_kv_heads, "must be a positive integer, or null for model.n_heads")
+    for key in ("norm_eps", "rope_theta"):
+        if not 0 < getattr(m, key) < math.inf:
+            fail(f"model.{key}", getattr(m, key), "must be a positive number")
+    for key in ("rope_scaling_factor", "ffn_dim_multiplier"):
+        if getattr(m, key) is not None and not 0 < getattr(m, key) < math.inf:
+            fail(f"model.{key}", getattr(m, key), "must be a positive number, or null for none")
+    if m.rope_scaling_factor is not None and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        fail("model.rope_low_freq_factor", m.rope_low_freq_factor,
+             f"must be positive and below model.rope_high_freq_factor={m.rope_high_freq_factor}")
+    if m.dim % m.n_heads:
+        fail("model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}")
+    n_kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % n_kv:
+        fail("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads}")
+    if (m.dim // m.n_heads) % 2:
+        fail("model.dim", m.dim, f"the head size model.dim / model.n_heads = {m.dim // m.n_heads} must be even "
+             "(RoPE rotates pairs of features)")
+
+
+def check_parallelism(cfg: Any, world_size: int) -> None:
+    p = cfg.parallelism
+    if p.timeout_s <= 0:
+        fail("parallelism.timeout_s", p.timeout_s, "must be a positive number of seconds")
+    degrees = mesh_degrees(p, world_size)
+    tp = degrees["tp"]
+    if tp > 1:
+        m = cfg.model
+        for key, size in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads or m.n_heads),
+                          ("FFN hidden size", ffn_hidden_size(m.dim, m.multiple_of, m.ffn_dim_multiplier)),
+                          ("train.seq_len", cfg.train.seq_len)):
+            if size % tp:
+                fail("parallelism.tp", tp, f"must divide {key}={size}; choose a divisor of it")
+        full_blocks = cfg.ac.mode == ACMode.full or (cfg.ac.mode == ACMode.selective
+                                                     and str(cfg.ac.selective_option) != "op")
+        if full_blocks and compile_enabled(cfg):
+            # torch 2.13: AOTAutograd saves the TP mesh among a compiled checkpoint's tensors and fails in backward
+            fail("compile.enabled", True, f"torch {_torch_version()} cannot compile fully checkpointed blocks under "
+                 "TP (a DeviceMesh among the saved tensors); drop compile.enabled=true, or use ac=memory_budget "
+                 "ac.memory_budget=0.0 (the compiler's own full recompute)")
+
+
+def check_train(cfg: Any, world_size: int) -> None:
+    t = cfg.train
+    for key in ("steps", "global_batch_size", "seq_len", "log_every", "max_skipped_steps"):
+        if getattr(t, key) <= 0:
+            fail(f"train.{key}", getattr(t, key), "must be a positive integer")
+    if t.seq_len > cfg.model.max_seq_len:
+        fail("train.seq_len", t.seq_len, f"must be at most model.max_seq_len={cfg.model.max_seq_len}")
+    dp = dp_size(cfg, world_size)
+    if t.global_batch_size % dp:
+        fail("train.global_batch_size", t.global_batch_size,
+             f"must divide across the {dp} data-parallel ranks; use a multiple of {dp}")
+    if t.micro_batch_size is not None:
+        per_rank = t.global_batch_size // dp
+        if t.micro_batch_size <= 0 or per_rank % t.micro_batch_size:
+            fail("train.micro_batch_size", t.micro_batch_size,
+                 f"must be a positive divisor of the per-rank batch {per_rank} "
+                 f"(train.global_batch_size={t.global_batch_size} over {dp} data-parallel ranks)")
+    if not t.max_grad_norm > 0:
+        fail("train.max_grad_norm", t.max_grad_norm, "must be a positive number (inf: no clipping)")
+    if not 0 <= t.seed <= _MAX_SEED:
+        fail("train.seed", t.seed, "must be an integer in [0, 2**64)")
+    if t.peak_flops is not None and not 0 < t.peak_flops < math.inf:
+        fail("train.peak_flops", t.peak_flops, "must be a positive number of FLOP/s per device, or null")
+
+
+def check_optimizer(cfg: Any) -> None:
+    o, s = cfg.optimizer, cfg.lr_schedule
+    if not 0 < o.lr < math.inf:
+        fail("optimizer.lr", o.lr, "must be a positive number")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(o, key) < 1:
+            fail(f"optimizer.{key}", getattr(o, key), "must be in [0, 1)")
+    if not 0 < o.eps < math.inf:
+        fail("optimizer.eps", o.eps, "must be a positive number")
+    if not 0 <= o.weight_decay < math.inf:
+        fail("optimizer.weight_decay", o.weight_decay, "must be a non-negative number")
+    if s.warmup_steps < 0:
+        fail("lr_schedule.warmup_steps", s.warmup_steps, "must be a non-negative integer")
+    if not 0 <= s.min_lr_ratio <= 1:
+        fail("lr_schedule.min_lr_ratio", s.min_lr_ratio, "must be in [0, 1]: a fraction of the peak LR")
+
+
+def check_checkpoint(cfg: Any) -> None:
+    c = cfg.checkpoint
+    if c.enabled:
+        for key in ("every_steps", "keep"):
+            if getattr(c, key) < 1:
+                fail(f"checkpoint.{key}", getattr(c, key),
+                     "must be at least 1; use checkpoint.enabled=false to save no checkpoints")
+    if not 0 < c.write_gbps < math.inf:
+        fail("checkpoint.write_gbps", c.write_gbps, "must be a positive number of GB/s")
+    if c.timeout_s is not None and c.timeout_s <= 0:
+        fail("checkpoint.timeout_s", c.timeout_s, "must be a positive number of seconds, or null to size it")
+
+
+def check_data(cfg: Any) -> None:
+    if cfg.data.prefetch < 0:
+        fail("data.prefetch", cfg.data.prefetch, "must be 0 (no background loading) or a positive number of batches")
+
+
+SECTIONS = (check_ac, check_model, check_optimizer, check_checkpoint, check_data)
+
+
+def validate(cfg: Any, world_size: int = 1) -> None:
+    """Check the rules that span fields; raise UserError naming the key, the bad value and the fix."""
+    check_resolvable(cfg)
+    check_known_keys(cfg)
+    for check in SECTIONS:
+        check(cfg)
+    check_parallelism(cfg, world_size)
+    check_train(cfg, world_size)
+

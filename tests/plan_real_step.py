@@ -1,0 +1,73 @@
+"""Real training steps of the debug model on CPU, measured by torch's MemTracker, for the planner's exactness tests:
+in this process (`real_steps`), or over two gloo processes under torchrun (run as a script: one JSON line per
+setting on rank 0, each setting's overrides given as one argument)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from membudget.ac import compiler_scope
+from membudget.metrics import ActivationCounter
+from membudget.parallel import clip_grad_norm, dp_coordinates
+from membudget.step import build_model, build_optimizer, forward_backward
+
+
+class CompiledMemTracker(MemTracker):
+    """torch's MemTracker, kept on while compiled graphs run (aot_eager graphs run op by op)."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+def real_steps(cfg, mesh=None) -> dict:
+    """Two real training steps of `cfg` as the trainer takes them (forward and backward, gradient clipping, AdamW,
+    zero_grad), each under MemTracker: activation bytes, the bytes of the parameters, gradients (before the
+    optimizer step) and optimizer states, and each step's peak less the batch of tokens (not in the plan)."""
+    torch.manual_seed(0)  # TP ranks must see the same batch
+    rows = cfg.train.global_batch_size // dp_coordinates(mesh)[1]
+    tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.train.seq_len + 1))
+    peaks = []
+    with compiler_scope(cfg.ac):
+        model = build_model(cfg, torch.device("cpu"), mesh)
+        optimizer, _ = build_optimizer(model, cfg)
+        counter = ActivationCounter(model)
+        for _ in range(2):
+            tracker = CompiledMemTracker()
+            tracker.track_external(model, optimizer)
+            with tracker:
+                activations = forward_backward(model, tokens[:, :-1], tokens[:, 1:], counter)[1]
+                gradients = sum(p.grad.nbytes for p in model.parameters())
+                clip_grad_norm(model, cfg.train.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - tokens.nbytes)
+    return {
+        "activations": activations,
+        "parameters": sum(p.nbytes for p in model.parameters()),
+        "gradients": gradients,
+        "optimizer_states": sum(t.nbytes for s in optimizer.state.values() for t in s.values()),
+        "peaks": peaks,
+    }
+
+
+def main() -> None:
+    from membudget.launch import init_distributed, launch_from_env
+    from membudget.parallel import build_mesh
+    from tests.conftest import compose_cfg
+
+    launch = launch_from_env()
+    init_distributed(launch, torch.device("cpu"))
+    for overrides in sys.argv[1:]:
+        cfg = compose_cfg(*overrides.split())
+        real = real_steps(cfg, build_mesh(cfg.parallelism, launch, torch.device("cpu")))
+        if launch.rank == 0:
+            print(json.dumps({"overrides": overrides, **real}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

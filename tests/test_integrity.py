@@ -1,0 +1,297 @@
+"""A run never trains the wrong thing, never poisons its own checkpoints, and never loses or mixes its files:
+non-finite steps, two runs in one dir, a resume with another config, a fresh start over an old run,
+SIGTERM and Ctrl-C, a full disk, and a SIGKILL at a random step."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import membudget.trainer as trainer
+from membudget.errors import UserError
+from membudget.rundir import ARCHIVE
+from tests.conftest import ROOT, TINY, read_metrics, read_summary, run_train, subprocess_env, train_here
+from tests.wandb_offline import find_offline_runs, read_offline_run
+
+RUN = (*TINY, "train.steps=6", "checkpoint.every_steps=2")
+
+
+def _all_json(path: Path) -> list[dict]:
+    """Every line of a metrics.jsonl, parsed strictly (json.loads accepts a bare NaN; this does not)."""
+    def reject(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return [json.loads(line, parse_constant=reject) for line in path.read_text().splitlines()]
+
+
+# --- non-finite steps ------------------------------------------------------------------------------------------
+
+def test_a_diverged_run_stops_before_the_optimizer_step_and_saves_nothing_bad(tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(trainer.LossNotFinite) as err:
+        train_here(run_dir, *RUN, "optimizer.lr=1e20", "lr_schedule.warmup_steps=0", "train.max_grad_norm=1e20")
+    message = str(err.value)
+    assert message.startswith("loss=") and "grad_norm=" in message and "optimizer.lr" in message
+    assert "\n" not in message
+    rows = _all_json(run_dir / "metrics.jsonl")  # valid JSON: non-finite values are null and named
+    bad = [r for r in rows if r.get("nonfinite")]
+    assert bad and bad[-1]["skipped"] and set(bad[-1]["nonfinite"]) & {"loss", "grad_norm"}
+    assert all(r[k] is None for r in bad for k in r["nonfinite"])
+    summary = read_summary(run_dir)
+    assert summary["status"] == "failed" and "LossNotFinite" in summary["error"]
+    # every checkpoint on disk is finite: the bad step never reached the optimizer, nor a save
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for ckpt in (run_dir / "checkpoints").glob("step_*"):
+        state = FileSystemReader(ckpt)
+        assert ckpt.name < f"step_{bad[0]['step']:07d}" and state.read_metadata()
+    if list((run_dir / "checkpoints").glob("step_*")):
+        resumed = train_here(tmp_path / "again", *RUN, "train.steps=2")
+        assert resumed["status"] == "completed" and torch.isfinite(torch.tensor(resumed["final_loss"]))
+
+
+def test_skip_policy_skips_a_bad_step_and_goes_on(tmp_path, monkeypatch):
+    """A fault injected into one step's gradient norm: that step is skipped (no optimizer or schedule step), the
+    next ones train; the run completes and counts it."""
+    real = trainer.clip_grad_norm
+    calls = {"n": 0}
+
+    def clip_with_a_fault(model, max_norm):
+        calls["n"] += 1
+        norm = real(model, max_norm)
+        return norm * float("inf") if calls["n"] == 3 else norm
+
+    monkeypatch.setattr(trainer, "clip_grad_norm", clip_with_a_fault)
+    summary = train_here(tmp_path / "run", *RUN, "train.on_nonfinite=skip")
+    rows = _all_json(tmp_path / "run" / "metrics.jsonl")
+    assert summary["status"] == "completed" and summary["skipped_steps"] == 1
+    assert [r["skipped"] for r in rows] == [False, False, True, False, False, False]
+    assert rows[2]["grad_norm"] is None and rows[2]["nonfinite"] == ["grad_norm"]
+    assert rows[3]["lr"] == rows[2]["lr"]  # the schedule did not advance on the skipped step
+
+    calls["n"] = -100  # every step from here is bad: the bounded count stops the run
+    monkeypatch.setattr(trainer, "clip_grad_norm", lambda m, n: real(m, n) * float("nan"))
+    with pytest.raises(trainer.LossNotFinite, match="train.max_skipped_steps"):
+        train_here(tmp_path / "bad", *RUN, "train.on_nonfinite=skip", "train.max_skipped_steps=2")
+    assert len(read_metrics(tmp_path / "bad")) == 3
+
+
+# --- one run per run dir ----------------------------------------------------------------------------------------
+
+def test_a_second_run_in_a_used_dir_is_refused_naming_the_holder(tmp_path):
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from membudget.rundir import RunDirLock; "
+         f"RunDirLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)", str(run_dir)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True, env=subprocess_env(PYTHONPATH=str(ROOT)))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError) as err:
+            train_here(run_dir, *RUN)
+        assert str(err.value).startswith(f"hydra.run.dir='{run_dir}': another run is using it (pid {holder.pid}")
+        assert not (run_dir / "metrics.jsonl").exists()
+    finally:
+        holder.kill()  # SIGKILL: the OS releases the lock
+        holder.wait()
+    assert train_here(run_dir, *RUN, "train.steps=1")["status"] == "completed"
+
+
+def test_default_run_dirs_of_two_runs_started_together_differ():
+    cmd = [sys.executable, "-c", "from membudget.launch import run_name; print(run_name())"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=subprocess_env())
+             for _ in range(3)]
+    names = [p.communicate()[0].strip() for p in procs]
+    assert len(set(names)) == 3, names
+
+
+# --- resuming with another config -------------------------------------------------------------------------------
+
+@pytest.fixture
+def checkpointed(tmp_path):
+    run_dir = tmp_path / "run"
+    train_here(run_dir, *RUN, "train.steps=2")
+    return run_dir
+
+
+def test_a_resume_that_would_change_the_model_or_data_is_refused(checkpointed):
+    before = (checkpointed / "metrics.jsonl").read_text()
+    for changed in (["model.n_layers=2"], ["model.dim=64"], ["train.seq_len=16"], ["train.global_batch_size=4"],
+                    ["model.rope_theta=10000"], ["data=synthetic"]):
+        with pytest.raises(UserError) as err:
+            train_here(checkpointed, *RUN, *changed)
+        message = str(err.value)
+        assert message.startswith("checkpoint.resume='auto': the checkpoint at step 2") and "\n" not in message
+        assert changed[0].split("=")[0].replace("data", "data.name") in message
+        assert "checkpoint.archive_old_run=true" in message
+    assert (checkpointed / "metrics.jsonl").read_text() == before  # nothing lost or mixed
+
+
+def test_a_resume_applies_optimizer_changes_and_allows_ac_changes(checkpointed, caplog):
+    with caplog.at_level("INFO", logger="membudget"):
+        summary = train_here(checkpointed, *RUN, "train.steps=4", "optimizer.lr=1e-3", "lr_schedule.warmup_steps=0",
+                             "ac=full", "optimizer.weight_decay=0.0")
+    rows = read_metrics(checkpointed)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and summary["status"] == "completed"
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("takes effect now: optimizer.lr: 0.003 -> 0.001" in m for m in messages)
+    assert any("leaves the math alone: ac.mode: 'none' -> 'full'" in m for m in messages)
+    from membudget.step import lr_lambda
+    from tests.conftest import compose_cfg
+
+    expected = 1e-3 * lr_lambda(compose_cfg(*RUN, "train.steps=4", "lr_schedule.warmup_steps=0"))(2)
+    assert rows[2]["lr"] == pytest.approx(expected)  # the new peak LR and schedule, at step 3
+
+
+def test_steps_below_the_checkpoint_are_refused(checkpointed):
+    with pytest.raises(UserError, match=r"^train.steps=1: the checkpoint to resume is at step 2"):
+        train_here(checkpointed, *RUN, "train.steps=1")
+
+
+# --- a fresh start over an old run ------------------------------------------------------------------------------
+
+def test_a_fresh_start_over_a_finished_run_refuses_then_archives(tmp_path):
+    run_dir = tmp_path / "run"
+    first = train_here(run_dir, *RUN, "train.steps=2")
+    first_rows = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(UserError, match=r"^checkpoint.resume='never': .* holds a completed run"):
+        train_here(run_dir, *RUN, "checkpoint.resume=never")
+    assert (run_dir / "metrics.jsonl").read_text() == first_rows
+    second = train_here(run_dir, *RUN, "checkpoint.resume=never", "checkpoint.archive_old_run=true", "train.steps=3")
+    (archived,) = (run_dir / ARCHIVE).iterdir()
+    assert (archived / "metrics.jsonl").read_text() == first_rows
+    assert json.loads((archived / "summary.json").read_text())["final_loss"] == first["final_loss"]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3] and second["status"] == "completed"
+    # a later resume continues the new run only
+    third = train_here(run_dir, *RUN, "train.steps=4")
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4] and third["status"] == "completed"
+
+
+def test_an_unfinished_run_without_checkpoint_restarts_cleanly_under_auto(tmp_path):
+    run_dir = tmp_path / "run"
+    train_here(run_dir, *RUN, "train.steps=2", "checkpoint.enabled=false")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["status"] = "preempted"  # as a requeued job that was stopped before its first checkpoint
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    train_here(run_dir, *RUN, "train.steps=3")
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+    assert len(list((run_dir / ARCHIVE).iterdir())) == 1
+
+
+# --- signals ----------------------------------------------------------------------------------------------------
+
+def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={run_dir}", *overrides]
+    out = open(run_dir.parent / f"{run_dir.name}.out", "w")
+    return subprocess.Popen(cmd, cwd=run_dir.parent, env=subprocess_env(), stdin=subprocess.DEVNULL, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for_rows(run_dir: Path, proc: subprocess.Popen, n: int, timeout: float = 120) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no {n} metrics rows in {timeout} s (exit {proc.poll()})")
+
+
+SLOW_RUN = ("logger=wandb", "train.steps=200", "train.seq_len=64", "train.global_batch_size=2",
+            "checkpoint.every_steps=1000", "train.progress=lines")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_and_ctrl_c_end_at_a_step_with_checkpoint_and_summary(tmp_path, signum, code):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, *SLOW_RUN)
+    _wait_for_rows(run_dir, proc, 3)
+    proc.send_signal(signum)
+    assert proc.wait(timeout=60) == code
+    output = (tmp_path / "run.out").read_text()
+    assert "Traceback" not in output and "rerun the same command to resume" in output
+    summary = read_summary(run_dir)
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert summary["status"] == "interrupted" and steps == list(range(1, len(steps) + 1))
+    assert (run_dir / "checkpoints" / f"step_{steps[-1]:07d}").is_dir()
+    (wandb_run,) = find_offline_runs(run_dir)
+    assert read_offline_run(wandb_run)["exit_code"] == 0  # the W&B run finished
+    done = run_train(run_dir, *SLOW_RUN, f"train.steps={steps[-1] + 2}")
+    assert done.returncode == 0 and "resumed from" in (run_dir / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, *SLOW_RUN, "logger=none")
+    _wait_for_rows(run_dir, proc, 2)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    output = (tmp_path / "run.out").read_text()
+    assert "Traceback" not in output
+    assert read_summary(run_dir)["status"] == "interrupted"
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_step_then_restart_gives_the_same_run(tmp_path):
+    overrides = ("logger=wandb", "train.steps=12", "checkpoint.every_steps=3", "train.seq_len=64",
+                 "train.global_batch_size=2")
+    reference = tmp_path / "reference"
+    assert run_train(reference, *overrides).returncode == 0
+    run_dir = tmp_path / "killed"
+    kill_after = random.Random().randint(1, 10)
+    print(f"killing after step {kill_after}")
+    victim = _start(run_dir, *overrides)
+    _wait_for_rows(run_dir, victim, kill_after)
+    os.killpg(victim.pid, signal.SIGKILL)  # the whole process group, W&B's service too, as SLURM would
+    victim.wait()
+    assert not (run_dir / "summary.json").exists(), "the run finished before it could be killed"
+    checkpointed = any((run_dir / "checkpoints").glob("step_*"))
+    proc = run_train(run_dir, *overrides)  # the same command again: checkpoint.resume=auto picks it up
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("resumed from" in (run_dir / "train.log").read_text()) == checkpointed
+    resumed, uninterrupted = read_metrics(run_dir), read_metrics(reference)
+    assert [r["step"] for r in resumed] == list(range(1, 13))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in uninterrupted]  # bitwise, fp32 on CPU
+    runs = find_offline_runs(run_dir)
+    assert read_offline_run(runs[-1])["id"] == read_summary(run_dir)["wandb"]["id"]
+
+
+# --- a full disk --------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_is_one_line_and_leaves_valid_files(small_disk):
+    """Each checkpoint of the debug model is ~10 MB: the first save fills the 6 MB disk. The error names the
+    path, nothing half-written stays, every JSON file is valid, and the run resumes once there is space."""
+    run_dir = small_disk / "run"
+    with pytest.raises(UserError) as err:
+        train_here(run_dir, *RUN, "train.steps=4")
+    message = str(err.value)
+    assert "\n" not in message and str(run_dir / "checkpoints") in message and "No space left" in message
+    _all_json(run_dir / "metrics.jsonl")
+    summary = read_summary(run_dir)  # written atomically: valid, or the error would be in the log
+    assert summary["status"] == "failed" and not list((run_dir / "checkpoints").glob(".tmp*"))
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    done = train_here(run_dir, *RUN, "train.steps=4", "checkpoint.archive_old_run=true")
+    assert done["status"] == "completed" and [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]

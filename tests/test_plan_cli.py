@@ -1,0 +1,79 @@
+"""`python -m membudget.plan`: a sweep of every budget next to the AC modes, auto's choice among them, plan.json,
+plan.md and the plots, in its Hydra dir; and the errors a user can make."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from membudget.errors import UserError
+from membudget.plan import SWEEP_BUDGETS, choose, choose_or_explain, plan_setting
+from membudget.rules import validate
+from tests.conftest import FAST_COMPILE, ROOT, compose_cfg
+from tests.test_plan_model import plan
+
+GiB = 2**30
+SMALL = ["logger=none", "train.device=cpu", FAST_COMPILE, "train.seq_len=64", "train.global_batch_size=2",
+         "model.n_layers=2"]
+
+
+@pytest.mark.slow
+def test_the_cli_sweeps_chooses_and_writes_its_plans(tmp_path):
+    run_dir = tmp_path / "plan"
+    proc = subprocess.run(
+        [sys.executable, "-m", "membudget.plan", f"hydra.run.dir={run_dir}", *SMALL, "ac=memory_budget",
+         "ac.memory_budget=auto", "ac.target_memory_gib=0.00838"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((run_dir / "plan.json").read_text())
+    plans = result["plans"]
+    assert [p["label"] for p in plans[:3]] == ["none", "full", "selective op"]
+    assert [p["memory_budget"] for p in plans[3:]] == list(SWEEP_BUDGETS)
+    budgets = {p["memory_budget"]: p for p in plans[3:]}
+    none, full = plans[0], plans[1]
+    assert budgets[0.0]["activations"] < budgets[1.0]["activations"] <= none["activations"]
+    assert full["activations"] < budgets[0.5]["activations"] < none["activations"]
+    assert budgets[0.0]["recompute_flops"] > budgets[1.0]["recompute_flops"] == 0
+    assert none["recompute_flops"] == 0 < budgets[0.5]["recompute_flops"] < full["recompute_flops"]
+    for p in plans:  # the peak holds at least what every step keeps
+        assert p["peak"] > p["parameters"] + p["optimizer_states"] + p["activations"], p["label"]
+    chosen = result["chosen"]  # a CPU has no time model: the least recompute that fits
+    assert chosen["fits"] and chosen["limit"] == int(0.00838 * GiB)
+    assert all(p["recompute_flops"] >= chosen["recompute_flops"] for p in plans[3:] if p["fits"])
+    assert any(not p["fits"] for p in plans[3:])
+    text = (run_dir / "plan.md").read_text()
+    assert "**chosen**" in text and "a CPU run: planned against this host's available memory" in text
+    assert (run_dir / "sweep.png").stat().st_size > 1000
+    assert (run_dir / "sweep.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+
+
+@pytest.mark.slow
+def test_one_setting_is_written_as_plan_json_and_md(tmp_path):
+    from membudget.plan.cli import run
+
+    result = run(compose_cfg(*SMALL, "ac=full", "train.device=cuda", "plan.gpu=A100-40GB", "plan.margin_gib=1"),
+                 tmp_path)
+    assert result["label"] == "full" and result["limit"] == int((39.4 - 1) * GiB) and result["verdict"] == "fits"
+    assert result["reserved_peak"] >= result["max_allocated"] >= result["peak"] > 0
+    assert result["device"]["reason"] == "plan.gpu=A100-40GB" and result["setting"]["attention"] == "flash"
+    text = (tmp_path / "plan.md").read_text()
+    assert "reserved peak (default allocator)" in text and "tokens/s per device" in text
+
+
+def test_auto_says_what_would_fit_when_no_budget_does():
+    plans = [plan(f"memory_budget {b}", b, verdict="does not fit") for b in SWEEP_BUDGETS]
+    plans.append(plan("full", None, verdict="does not fit"))
+    assert choose(plans) is None
+    with pytest.raises(UserError) as info:
+        choose_or_explain(plans, compose_cfg(), None)
+    message = str(info.value)
+    assert "\n" not in message and "ac=full" in message and "micro_batch_size" in message and "fsdp" in message
+
+
+def test_budget_auto_and_sweep_in_config():
+    validate(compose_cfg("ac=memory_budget", "ac.memory_budget=auto", "ac.target_memory_gib=70"))
+    with pytest.raises(UserError, match="python -m membudget.plan"):
+        validate(compose_cfg("ac=memory_budget", "ac.memory_budget=sweep"))
+    with pytest.raises(UserError, match="set plan.world_size"):
+        plan_setting(compose_cfg("parallelism=fsdp"))

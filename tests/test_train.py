@@ -1,0 +1,106 @@
+"""Training end to end, as a user runs it: metrics.jsonl, summary.json and an offline W&B run; what the console
+and train.log say while a run goes; the default run learns; the README's inductor command runs as typed."""
+
+import json
+import math
+
+import pytest
+
+from tests.conftest import FAST_COMPILE, TINY, read_metrics, read_summary, run_train, train_here
+from tests.wandb_offline import find_offline_runs, read_offline_run
+
+METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "activation_bytes",
+               "activation_bytes_per_block", "peak_memory_bytes", "mfu", "skipped"}
+
+
+@pytest.mark.parametrize("ac", [
+    ["ac=none"], ["ac=full"], ["ac=selective"], ["ac=selective", "ac.selective_option=2"],
+    pytest.param(["ac=memory_budget", FAST_COMPILE], marks=pytest.mark.slow),
+    pytest.param(["ac=memory_budget", FAST_COMPILE, "ac.memory_budget=0.0*2+1.0*2"], marks=pytest.mark.slow),
+])
+def test_train_writes_metrics_and_summary(tmp_path, ac):
+    summary = train_here(tmp_path / "run", *TINY, *ac, "train.global_batch_size=4", "train.micro_batch_size=2")
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(METRIC_KEYS <= set(r) for r in rows)
+    assert all(r["activation_bytes"] > 0 and r["peak_memory_bytes"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(sum(r["activation_bytes_per_block"]) < r["activation_bytes"] for r in rows)  # + embedding, loss
+    assert read_summary(tmp_path / "run") == json.loads(json.dumps(summary))
+    assert summary["status"] == "completed" and summary["final_loss"] == rows[-1]["loss"]
+    assert summary["num_params"] > 0 and summary["activation_bytes"] == rows[-1]["activation_bytes"]
+    assert summary["config"]["ac"]["mode"] == ac[0].split("=")[1]
+    assert {"median_tokens_per_s", "peak_memory_bytes", "steady_peak_memory_bytes", "mfu"} <= set(summary)
+
+
+def test_wandb_offline_run_holds_the_metrics(tmp_path):
+    summary = train_here(tmp_path / "run", *TINY, "logger=wandb", "ac=selective")
+    rows = read_metrics(tmp_path / "run")
+    (wandb_dir,) = find_offline_runs(tmp_path / "run")
+    run = read_offline_run(wandb_dir)
+    assert run["id"] == summary["wandb"]["id"] and run["exit_code"] == 0
+    assert [h["loss"] for h in run["history"] if "loss" in h] == pytest.approx([r["loss"] for r in rows])
+    assert run["config"]["ac"]["mode"] == "selective"
+    assert "ac:selective" in run["tags"] and run["name"] == "llama3_debug-selective-op"
+
+
+@pytest.mark.slow
+def test_the_console_and_train_log_show_what_the_run_does(tmp_path):
+    """On a terminal the bar shows the AC setting; train.log always holds every logged step, the start line
+    names the whole setting, compilation is announced and timed, and DCP's single-process warning is gone."""
+    run_dir = tmp_path / "run"
+    proc = run_train(run_dir, *TINY, "ac=memory_budget", FAST_COMPILE, "train.progress=bar", "train.steps=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    setting = "ac=memory_budget 0.5 (solver dp, estimator flops), compile aot_eager_decomp_partition"
+    assert setting in log.splitlines()[0] or any(setting in line and "model llama3_debug" in line
+                                                 for line in log.splitlines())
+    assert all(f"step {s} | loss" in log for s in range(1, 5))
+    assert "compiling 4 blocks" in log and "saved activations per block" in log
+    assert f"done: {setting}" in log
+    assert setting in proc.stderr  # the bar's description
+    assert "step 2 | loss" not in proc.stderr  # the bar shows the step: its line goes to the file only
+    assert "assuming the intent" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_default_run_learns(tmp_path):
+    train_here(tmp_path / "run", "logger=none", "train.steps=30", "train.seq_len=128", "data.prefetch=2")
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["loss"] < 0.7 * rows[0]["loss"]
+
+
+@pytest.mark.slow
+def test_readme_command_runs_as_typed_with_inductor(tmp_path):
+    """`python train.py ac=memory_budget ac.memory_budget=0.4`: compile turns on, inductor honours the budget."""
+    summary = train_here(tmp_path / "run", *TINY, "ac=memory_budget", "ac.memory_budget=0.4", "train.steps=2")
+    assert summary["compile"] is True and summary["memory_budget"] == 0.4
+    assert summary["config"]["compile"]["backend"] == "inductor"
+
+
+@pytest.mark.slow
+def test_auto_budget_is_planned_logged_and_used(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="membudget"):
+        summary = train_here(tmp_path / "run", *TINY, "ac=memory_budget", "ac.memory_budget=auto",
+                             "ac.target_memory_gib=0.05", FAST_COMPILE)
+    chosen = summary["memory_budget"]
+    assert chosen is not None and summary["ac_label"].startswith("memory_budget")
+    assert any(f"ac.memory_budget=auto -> {chosen}" in r.getMessage() for r in caplog.records)
+
+
+def test_mfu_excludes_the_embedding_lookup():
+    """torchtitan's convention: 6 FLOPs per matmul parameter (the embedding is a lookup), plus attention."""
+    import torch
+
+    from membudget.metrics import flops_per_token
+    from membudget.step import build_model
+    from tests.conftest import compose_cfg
+
+    for tie in (False, True):
+        cfg = compose_cfg(f"model.tie_embeddings={str(tie).lower()}")
+        model = build_model(cfg, torch.device("cpu"))
+        a = model.args
+        matmul_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        if not tie:
+            matmul_params -= a.vocab_size * a.dim
+        assert flops_per_token(model, 256) == 6 * matmul_params + 12 * a.n_layers * a.n_heads * a.head_dim * 256
+    assert math.isfinite(flops_per_token(model, 256))
