@@ -3,11 +3,14 @@
     python scripts/bench_plan.py                      # Llama 3 8B, seq 8192, FSDP over 64 ranks, 2 threads
     python scripts/bench_plan.py plan.world_size=8 train.global_batch_size=8
     python scripts/bench_plan.py --evidence           # every row of docs/planner/evidence.csv: prediction, error
+    python scripts/bench_plan.py --blocks             # per-block plans against single settings (issue 15)
 
 Extra arguments are Hydra overrides on top of that setting. Targets (issue 14): one setting under a minute, the
 11-point budget sweep under five, on 2 CPU cores. Each is timed in a fresh Planner, so it pays for the probes, the
 optimizer step and the ac=none reference as a user's command would (not Python's start-up). --evidence writes
-docs/planner/evidence.md, the table the README's planner section shows.
+docs/planner/evidence.md, the table the README's planner section shows. --blocks writes docs/planner/per_block.md:
+for each setting of BLOCK_SETTINGS, at memory targets between the single budgets' peaks, the predicted tokens/s
+of full AC, selective, the best single budget and the best per-block plan.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from hydra import compose, initialize_config_dir
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from membudget.plan import plan_setting, plan_sweep  # noqa: E402
+from membudget.plan import Planner, plan_setting, plan_sweep  # noqa: E402
+from membudget.plan.blocks import per_target, targets_between  # noqa: E402
+from membudget.plan.report import blocks_markdown  # noqa: E402
 from membudget.plan.evidence import error, plan_row, rows  # noqa: E402
 from membudget.schema import register_configs  # noqa: E402
 
@@ -53,6 +58,35 @@ def timings(overrides: list[str]) -> None:
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 
 
+COMMON = ["logger=none", "train.seq_len=8192", "ac=memory_budget", "ac.memory_budget=0.5"]
+BLOCK_SETTINGS = {
+    "Llama 3 8B, FSDP over 8 H100s, batch 2 x 8192 per GPU":
+        ["model=llama3_8b", "parallelism=fsdp", "plan.world_size=8", "train.global_batch_size=16",
+         "train.micro_batch_size=2"],
+    "Llama 3 8B, FSDP over 64 H100s, batch 2 x 8192 per GPU":
+        ["model=llama3_8b", "parallelism=fsdp", "plan.world_size=64", "train.global_batch_size=128",
+         "train.micro_batch_size=2"],
+    "Llama 3 70B, FSDP 8 x TP 8 over 64 H100s, batch 1 x 8192 per replica":
+        ["model=llama3_70b", "parallelism=fsdp_tp", "parallelism.tp=8", "plan.world_size=64",
+         "train.global_batch_size=8", "train.micro_batch_size=1"],
+}
+
+
+def blocks(most_targets: int = 4) -> str:
+    parts = []
+    for title, overrides in BLOCK_SETTINGS.items():
+        start = time.perf_counter()
+        cfg = compose_cfg(COMMON + overrides)
+        plans = plan_sweep(cfg)
+        with Planner(cfg) as planner:
+            choices = per_target(planner, plans, targets_between(plans, plans[0].limit, most_targets))
+        seconds = time.perf_counter() - start
+        table = blocks_markdown(choices, plans).split("\n", 2)[2]  # without its heading
+        parts.append(f"### {title}\n\n`{' '.join(overrides)}` (planned in {seconds:.0f} s)\n\n{table}")
+        print(parts[-1], flush=True)
+    return "\n".join(parts)
+
+
 def _pct(predicted, measured) -> str:
     return "-" if predicted is None or measured is None else f"{error(predicted, measured):+.1%}"
 
@@ -80,6 +114,9 @@ def evidence() -> str:
 
 
 def main() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     torch.set_num_threads(2)
     register_configs()
     args = sys.argv[1:]
@@ -90,6 +127,11 @@ def main() -> None:
             "from docs/planner/evidence.csv (sources and configurations there). \"As run\": the row's allocator "
             "setting (PyTorch's default unless the source sets PYTORCH_CUDA_ALLOC_CONF).\n\n" + text)
         print(text)
+    elif "--blocks" in args:
+        text = blocks()
+        (ROOT / "docs" / "planner" / "per_block.md").write_text(
+            "# Per-block budgets against single settings\n\nWritten by `python scripts/bench_plan.py --blocks` "
+            f"(common overrides `{' '.join(COMMON)}`); the H100 80GB SXM's limit less plan.margin_gib.\n\n" + text)
     else:
         timings(args)
 

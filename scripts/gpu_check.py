@@ -96,6 +96,7 @@ def measure(cfg, device: torch.device, steps: int) -> Measured:
     torch.manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1),
                            device=device)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as the trainer's batches
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -111,7 +112,7 @@ def measure(cfg, device: torch.device, steps: int) -> Measured:
             tracker = None if cuda or step >= 2 else _mem_tracker(model, optimizer)
             start = time.perf_counter()
             with tracker or contextlib.nullcontext():
-                activations = forward_backward(model, tokens[:, :-1], tokens[:, 1:], counter,
+                activations = forward_backward(model, inputs, labels, counter,
                                                numerics.context(device.type))[1]
                 gradients = sum(p.grad.nbytes for p in model.parameters())
                 clip_grad_norm(model, cfg.train.max_grad_norm)
@@ -123,7 +124,7 @@ def measure(cfg, device: torch.device, steps: int) -> Measured:
             if step == 1 and cuda:
                 peaks = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
             elif tracker is not None:
-                peaks.append(tracker.get_tracker_snapshot("peak")[device]["Total"] - tokens.nbytes)
+                peaks.append(tracker.get_tracker_snapshot("peak")[device]["Total"] - inputs.nbytes - labels.nbytes)
     timed = times[2:] or times[1:]
     return Measured(
         activations=activations,

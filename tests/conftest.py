@@ -80,3 +80,11 @@ def _quiet_wandb(monkeypatch):
     # an in-process wandb.init leaves WANDB_SERVICE pointing at this process's W&B service: subprocesses
     # started later would share it, and a run killed in a test would keep its id "in use" there
     os.environ.pop("WANDB_SERVICE", None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (scripts/test.sh runs two workers), the SLURM tests share one worker: the local cluster
+    is one node, and jobs from two workers would queue behind each other past their timeouts."""
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))

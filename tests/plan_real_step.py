@@ -31,6 +31,7 @@ def real_steps(cfg, mesh=None) -> dict:
     torch.manual_seed(0)  # TP ranks must see the same batch
     rows = cfg.train.global_batch_size // dp_coordinates(mesh)[1]
     tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.train.seq_len + 1))
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as the trainer's batches
     peaks = []
     with compiler_scope(cfg.ac):
         model = build_model(cfg, torch.device("cpu"), mesh)
@@ -40,12 +41,12 @@ def real_steps(cfg, mesh=None) -> dict:
             tracker = CompiledMemTracker()
             tracker.track_external(model, optimizer)
             with tracker:
-                activations = forward_backward(model, tokens[:, :-1], tokens[:, 1:], counter)[1]
+                activations = forward_backward(model, inputs, labels, counter)[1]
                 gradients = sum(p.grad.nbytes for p in model.parameters())
                 clip_grad_norm(model, cfg.train.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - tokens.nbytes)
+            peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - inputs.nbytes - labels.nbytes)
     return {
         "activations": activations,
         "parameters": sum(p.nbytes for p in model.parameters()),

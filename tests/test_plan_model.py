@@ -184,6 +184,7 @@ def plan(label="memory_budget 0.5", budget=0.5, reserved=60 * GiB, seconds=1.0, 
                 reserved=Moment(reserved, "loss", 2, {"allocator slack": GiB}),
                 reserved_other=Moment(reserved + GiB, "loss", 2), max_allocated=reserved - GiB,
                 overheads={"CUDA context": GiB // 2}, limit=limit, limit_source="the device", verdict=verdict,
+                judged_bytes=reserved + GiB // 2,
                 verdict_reason="needs x of y", time=step, tokens_per_step=16 * 8192, forward_flops=1e15,
                 recompute_flops=budget and (1 - budget) * 1e15)
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from membudget.errors import UserError
 
-from .planner import choose_or_explain, plan_setting, plan_sweep
-from .report import non_monotonic, plan_markdown, plot_sweep, sweep_markdown
+from .blocks import per_target, targets_between
+from .planner import Planner, choose_or_explain, plan_setting, plan_sweep
+from .report import blocks_markdown, non_monotonic, plan_markdown, plot_sweep, sweep_markdown
 
 log = logging.getLogger("membudget")
 
@@ -29,11 +30,20 @@ def run(cfg, out_dir: Path) -> dict:
                 chosen = choose_or_explain(plans, cfg, None)[1]
             except UserError as e:  # raised once the sweep that shows it is written
                 error = e
-        text = sweep_markdown(plans, chosen) + ("" if chosen is None else "\n" + plan_markdown(chosen))
+        choices = []
+        if budget == "sweep":  # where a per-block plan beats the best single setting, over a range of targets
+            limit = plans[0].limit or max(p.judged_bytes for p in plans)
+            with Planner(cfg) as planner:
+                choices = per_target(planner, plans, targets_between(plans, limit))
+        text = (sweep_markdown(plans, chosen) + ("\n" + blocks_markdown(choices, plans) if choices else "")
+                + ("" if chosen is None else "\n" + plan_markdown(chosen)))
         result = {"rank": 0, "plans": [p.to_dict() for p in plans],
                   "non_monotonic": [p.label for p in non_monotonic(plans)],
-                  "chosen": None if chosen is None else chosen.to_dict()}
-        plot_sweep(plans, out_dir, chosen)
+                  "chosen": None if chosen is None else chosen.to_dict(),
+                  "per_block": [{"target": c.target, "single": c.single and c.single.label,
+                                 "per_block": c.per_block and c.per_block.to_dict(), "gain": c.gain}
+                                for c in choices]}
+        plot_sweep(plans, out_dir, chosen, [c.per_block for c in choices if c.per_block is not None])
     else:
         plan = plan_setting(cfg)
         text, result = plan_markdown(plan), {"rank": 0, **plan.to_dict()}

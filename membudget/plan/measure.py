@@ -199,7 +199,8 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
     # for them); under a fake mode it would redo that in every step, and the recorder would count it.
     with fake, cached_dtensor_sharding_propagation(), cuda_attention(numerics):
         tokens = torch.randint(cfg.model.vocab_size, (micro_batch, cfg.train.seq_len + 1))
-        step = (model, tokens[:, :-1], tokens[:, 1:], counter, numerics.context("cpu"))
+        # contiguous copies, as the trainer's batches (data.py): a saved label is a storage of seq_len tokens
+        step = (model, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), counter, numerics.context("cpu"))
         # The warm-up compiles at the step's shapes and fills DTensor's caches for them; else (FSDP2's lazy
         # initialisation) a short sequence does
         shaped = compile_enabled(cfg) or (mesh is not None and mesh["tp"].size() > 1)

@@ -12,10 +12,11 @@ from typing import Optional
 from membudget.ac import compiler_scope
 from membudget.errors import UserError
 from membudget.rules import SECTIONS, check_parallelism, check_train, compile_enabled, mesh_degrees, validate
-from membudget.schema import CompileBackend, RuntimeEstimator, ac_label
+from membudget.schema import CompileBackend, RuntimeEstimator, ac_label, budget_of, compact_budgets, parse_block_budgets
 from membudget.step import Numerics, StepShape
 
 from .allocator import CachingAllocator
+from .blocks import choose_mix
 from .devices import CUDA_CONTEXT, NCCL_PER_COMMUNICATOR, assumed_device, expandable_segments
 from .measure import GRADIENTS, OptimizerRun, fake_world, probe_shape, run_optimizer, run_probe
 from .replay import Layout, Memory, consistent, simulate, two_steps
@@ -149,7 +150,7 @@ class Planner:
             reserved_other = simulate(phases, CachingAllocator(expandable=not self.expandable)).reserved
             max_allocated = reserved.allocator_allocated
             overheads = self._overheads()
-        verdict, reason = self._verdict(phases, allocated, reserved, overheads)
+        verdict, reason, judged = self._verdict(phases, allocated, reserved, overheads)
         step2 = [p for p in phases if p.step == 2]
         timing = step_time(step2, self.device, self.degrees)
         reference = self.reference() if recompute else None
@@ -161,7 +162,7 @@ class Planner:
         return Plan(
             label=label or ac_label(cfg.ac),
             ac_mode=str(cfg.ac.mode),
-            memory_budget=float(cfg.ac.memory_budget) if str(cfg.ac.mode) == "memory_budget" else None,
+            memory_budget=_budget_value(cfg.ac),
             setting=self._setting(cfg),
             device=self.device,
             parameters=sum(probe.parameters) + n * sum(probe.block_parameters),
@@ -180,6 +181,7 @@ class Planner:
             limit_source=self.limit_source,
             verdict=verdict,
             verdict_reason=reason,
+            judged_bytes=judged,
             time=timing,
             tokens_per_step=self.shape.tokens_per_step,
             forward_flops=reference["forward"] if reference else None,
@@ -195,28 +197,31 @@ class Planner:
             terms["NCCL buffers"] = communicators * NCCL_PER_COMMUNICATOR
         return terms
 
-    def _verdict(self, phases, allocated: Memory, reserved: Optional[Memory], overheads: dict) -> tuple[str, str]:
-        if not self.limit:
-            return NO_LIMIT, "no memory limit known: set ac.target_memory_gib"
+    def _verdict(self, phases, allocated: Memory, reserved: Optional[Memory],
+                 overheads: dict) -> tuple[str, str, int]:
+        """(verdict, why, the bytes judged against the limit)."""
         # A device's memory holds the CUDA context and NCCL's buffers too; ac.target_memory_gib bounds what
         # PyTorch's allocator reserves (what max_memory_reserved shows)
         extra = sum(overheads.values()) if self.cfg.ac.target_memory_gib is None else 0
         need = (reserved.reserved.nbytes if reserved is not None else allocated.allocated.nbytes) + extra
+        if not self.limit:
+            return NO_LIMIT, "no memory limit known: set ac.target_memory_gib", need
         limit = self.limit
         needs = f"needs {size(need)} of {size(limit)}"
         if need <= limit * (1 - UNCERTAINTY):
-            return FITS, needs
+            return FITS, needs, need
         if reserved is None:
             if need <= limit:
-                return TIGHT, f"{needs}: within the plan's {UNCERTAINTY:.0%} uncertainty of the limit"
-            return DOES_NOT_FIT, needs
+                return TIGHT, f"{needs}: within the plan's {UNCERTAINTY:.0%} uncertainty of the limit", need
+            return DOES_NOT_FIT, needs, need
         capped = simulate(phases, CachingAllocator(expandable=self.expandable, capacity=limit - extra))
         if capped.ooms:
-            return DOES_NOT_FIT, f"{needs}; even releasing the allocator's cache, {capped.ooms} allocation(s) fail"
+            return (DOES_NOT_FIT, f"{needs}; even releasing the allocator's cache, {capped.ooms} allocation(s) fail",
+                    need)
         if need <= limit:
-            return TIGHT, f"{needs}: within the plan's {UNCERTAINTY:.0%} uncertainty of the limit"
+            return TIGHT, f"{needs}: within the plan's {UNCERTAINTY:.0%} uncertainty of the limit", need
         return TIGHT, (f"{needs} with a full cache; fits only by releasing cached memory ({capped.retries} "
-                       f"cudaMalloc retries in two steps: slower)")
+                       f"cudaMalloc retries in two steps: slower)"), need
 
     def _blocks(self, probe, layout) -> list[BlockCost]:
         """Per probe block: what it keeps and costs, for choosing budgets block by block."""
@@ -241,6 +246,17 @@ class Planner:
             compile=compiled, configured_backend=str(self.cfg.compile.backend),
             planned_backend=str(cfg.compile.backend) if compiled else None,
             allocator="expandable segments" if self.expandable else "default")
+
+
+def _budget_value(ac):
+    """A scalar budget as a float, per-block budgets in their compact spelling ("0.3*8+0.6*24"); None without."""
+    budget = budget_of(ac)
+    if budget is None:
+        return None
+    try:
+        return float(budget)
+    except ValueError:
+        return compact_budgets(parse_block_budgets(budget))
 
 
 def _gradients(phases) -> int:
@@ -292,19 +308,24 @@ def choose(plans: list[Plan]) -> Optional[Plan]:
                                        p.reserved_peak, -p.memory_budget), default=None)
 
 
-def choose_budget(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> tuple[float, Plan]:
+def choose_budget(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> tuple[object, Plan]:
     """For ac.memory_budget=auto: the fastest budget whose reserved peak fits ac.target_memory_gib (default: the
-    device's memory less plan.margin_gib); `device`: the one the run trains on (see Planner). UserError when none
-    fits."""
+    device's memory less plan.margin_gib), per block when a mix of budgets beats every single one (blocks.py);
+    `device`: the one the run trains on (see Planner). UserError when none fits."""
     return choose_or_explain(plan_sweep(cfg, world_size, references=False, device=device), cfg, world_size, device)
 
 
 def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int],
-                      device: Optional[str] = None) -> tuple[float, Plan]:
+                      device: Optional[str] = None) -> tuple[object, Plan]:
+    """(the budget: a float, or per-block budgets as "0.3*8+0.6*24"; its plan) from a sweep's plans."""
     if plans[0].verdict == NO_LIMIT:
         raise UserError("ac.memory_budget=auto: no memory limit known for this device: "
                         "set ac.target_memory_gib=N (GiB)")
     best = choose(plans)
+    with Planner(cfg, world_size, device) as planner:
+        mixed = choose_mix(planner, plans, plans[0].limit, best)
+    if mixed is not None:
+        return mixed.memory_budget, mixed
     if best is not None:
         return best.memory_budget, best
     lowest = min(plans, key=lambda p: p.reserved_peak)

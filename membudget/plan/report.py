@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Optional
 
 from .measure import CATEGORIES
-from .result import DOES_NOT_FIT, Plan, size
+from .blocks import cost
+from .result import DOES_NOT_FIT, UNCERTAINTY, Plan, size
 
 GiB = 2**30
 
@@ -102,7 +103,7 @@ def sweep_markdown(plans: list[Plan], chosen: Optional[Plan] = None) -> str:
         "|---|---:|---:|" + ("---:|" if first.reserved else "") + "---|---|" + ("---:|---:|" if timed else "")
         + "---:|",
     ]
-    for p in plans:
+    for p in plans + ([chosen] if chosen is not None and chosen not in plans else []):
         note = (" (peak below a smaller budget's)" if p in flagged else "") + (" **chosen**" if p is chosen else "")
         when = (p.reserved or p.allocated).describe()
         speed = f"{p.step_seconds:.3f} | {p.tokens_per_s_per_device:,.0f} | " if timed else ""
@@ -112,7 +113,47 @@ def sweep_markdown(plans: list[Plan], chosen: Optional[Plan] = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_sweep(plans: list[Plan], out_dir: Path, chosen: Optional[Plan] = None) -> list[Path]:
+def _speed(plan: Optional[Plan]) -> str:
+    """tokens/s per device, or without a time model the recompute share."""
+    if plan is None:
+        return "-"
+    if plan.time is None:
+        return f"{plan.recompute_ratio:.1%} recompute"
+    return f"{plan.tokens_per_s_per_device:,.0f}"
+
+
+def blocks_markdown(choices, plans: list[Plan]) -> str:
+    """Per memory target: full, selective, the best single budget and the best per-block plan, and the gain."""
+    from .blocks import best_single, single_budgets
+
+    timed = plans[0].time is not None
+    named = {p.label: p for p in plans if p.ac_mode in ("full", "selective")}
+    lines = ["## Per-block budgets against single settings, by memory target", "",
+             ("Predicted tokens/s per device" if timed else "Recompute, share of the forward FLOPs (no time model "
+              "on a CPU)") + "; `-` where the setting does not fit the target. Targets fall between the peaks of "
+             "single budgets; the per-block plan is planned again as a whole. gain: the per-block plan against the "
+             "best single budget; vs full: the better of the two against ac=full (eager), by predicted time.", "",
+             "| target | " + " | ".join(named) + " | best single budget | per-block plan | gain | vs full |",
+             "|---:|" + "---:|" * len(named) + "---|---|---:|---:|"]
+    for c in choices:
+        fitting = [_speed(p) if p.judged_bytes <= c.target * (1 - UNCERTAINTY) else "-" for p in named.values()]
+        single = best_single(single_budgets(plans), c.target)
+        mixed = (f"{c.per_block.memory_budget}: {_speed(c.per_block)} ({size(c.per_block.judged_bytes)})"
+                 if c.per_block else "none beats it")
+        gain = against_full = "-"
+        if c.per_block is not None and single is not None:
+            gain = f"{cost(single) / cost(c.per_block) - 1:+.1%}"
+        full = named.get("full")
+        if c.best is not None and full is not None and c.best.time is not None:
+            against_full = f"{cost(full) / cost(c.best) - 1:+.1%}"
+        lines.append(f"| {size(c.target)} | " + " | ".join(fitting) + " | "
+                     + (f"{single.memory_budget:g}: {_speed(single)} ({size(single.judged_bytes)})" if single else "-")
+                     + f" | {mixed} | {gain} | {against_full} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_sweep(plans: list[Plan], out_dir: Path, chosen: Optional[Plan] = None,
+               per_block: Optional[list[Plan]] = None) -> list[Path]:
     """Reserved peak against predicted step time (recompute FLOPs without a time model), and the peak against
     the budget; PNG and SVG."""
     from matplotlib.figure import Figure  # no pyplot: the Agg canvas, no display
@@ -138,8 +179,14 @@ def plot_sweep(plans: list[Plan], out_dir: Path, chosen: Optional[Plan] = None) 
         peak_ax.plot(p.memory_budget, p.reserved_peak / GiB, "o", markersize=14, mfc="none", mec="red")
     if flagged:
         peak_ax.plot([], [], "o", mfc="none", mec="red", label="peak below a smaller budget's")
+    for i, p in enumerate(per_block or []):
+        ax.plot(x_of(p), p.reserved_peak / GiB, "P", markersize=10, color="purple",
+                label="per-block plans" if i == 0 else None)
+        ax.annotate(str(p.memory_budget), (x_of(p), p.reserved_peak / GiB), textcoords="offset points",
+                    xytext=(4, -10), fontsize=7, color="purple")
     if chosen is not None:
         ax.plot(x_of(chosen), chosen.reserved_peak / GiB, "*", markersize=16, color="green", label="chosen (auto)")
+    if chosen is not None and not isinstance(chosen.memory_budget, str):  # a per-block plan has no one budget
         peak_ax.plot(chosen.memory_budget, chosen.reserved_peak / GiB, "*", markersize=16, color="green",
                      label="chosen (auto)")
     if plans[0].limit is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from .devices import Device
 from .replay import Moment
@@ -66,7 +66,7 @@ class BlockCost:
 class Plan:
     label: str
     ac_mode: str
-    memory_budget: Optional[float]
+    memory_budget: Union[float, str, None]  # a scalar, or per-block budgets spelled compactly
     setting: Setting
     device: Device
     parameters: int  # this rank's shards (FSDP2's padding included) and the RoPE buffer below
@@ -85,6 +85,8 @@ class Plan:
     limit_source: str
     verdict: str
     verdict_reason: str
+    judged_bytes: int  # what the verdict held against the limit: the reserved (CPU: allocated) peak, plus the
+    # CUDA context and NCCL's buffers when the limit is the device's memory
     time: Optional[StepTime]
     tokens_per_step: int
     forward_flops: Optional[float]  # the step's forward, ac=none (None: not counted)
@@ -113,6 +115,11 @@ class Plan:
     @property
     def fits(self) -> Optional[bool]:
         return None if self.verdict == NO_LIMIT else self.verdict == FITS
+
+    @property
+    def fit_line(self) -> Optional[int]:
+        """The most `judged_bytes` may be for the verdict "fits" (None: no limit)."""
+        return None if self.limit is None else int(self.limit * (1 - UNCERTAINTY))
 
     @property
     def step_seconds(self) -> Optional[float]:

@@ -11,6 +11,8 @@ from membudget.report import plots
 from membudget.report.compare import TOLERANCE, build_rows, match_baselines, none_notes
 from membudget.report.jobs import Job, Sweep, load_sweep
 from membudget.report.pareto import FrontPoint, Ties, pareto_front
+from membudget.report.planned import add_plans
+from membudget.report.study import study_verdict
 from membudget.report.write import log_to_wandb, verdict, write_csv, write_markdown
 
 
@@ -36,10 +38,13 @@ class Analysis:
         return 1 if strict and (self.flagged or not self.compared) else 0
 
 
-def analyse(sweep: Sweep, tolerance: float = TOLERANCE, ties: Ties = Ties()) -> Analysis:
+def analyse(sweep: Sweep, tolerance: float = TOLERANCE, ties: Ties = Ties(), plan: bool = True) -> Analysis:
+    """Rows, front and verdict; plan: each run's plan beside it (report.planned; about a second a job)."""
     rows, notes = build_rows(sweep, tolerance)
+    if plan:
+        notes += add_plans(sweep, rows)
     front = pareto_front(rows, ties)
-    lines = verdict(rows, front, ties, notes, none_notes(sweep), tolerance)
+    lines = verdict(rows, front, ties, notes, none_notes(sweep), tolerance, study_verdict(sweep, rows))
     return Analysis(sweep, rows, front, match_baselines(sweep.jobs), lines, tolerance)
 
 
@@ -73,6 +78,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 if a run is flagged or no run could be compared with ac=none")
     parser.add_argument("--no-wandb", action="store_true", help="do not log the summary run to W&B")
+    parser.add_argument("--no-plan", action="store_true",
+                        help="do not plan each run's config beside it (membudget.plan; about a second a job)")
     args = parser.parse_args(argv)
     sweep_dir = args.sweep_dir.resolve()
     if not sweep_dir.is_dir():
@@ -81,7 +88,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not sweep.jobs:
         parser.error(f"{sweep_dir} holds no job dirs (<sweep dir>/0, 1, ...) and no multirun.yaml")
 
-    a = analyse(sweep, args.tolerance, Ties(args.memory_tie, args.time_tie))
+    a = analyse(sweep, args.tolerance, Ties(args.memory_tie, args.time_tie), plan=not args.no_plan)
     made = draw(a)
     write_csv(a.rows, sweep_dir / "report.csv")
     path = write_markdown(sweep, a.rows, a.verdict, made)

@@ -18,12 +18,14 @@ from membudget.report.jobs import Job, Sweep
 # from being judged on noise. Raise it for very long bf16 runs, whose trajectories diverge slowly.
 TOLERANCE = 0.01
 
-# Columns of report.csv and the W&B table, in order.
+# Columns of report.csv and the W&B table, in order. `trial` and `study` are a search's (membudget.search): the
+# trial that ran the job, and "front" / "best" where it is on the study's Pareto front or is its best trial.
 COLUMNS = [
-    "job", "run", "ac_mode", "memory_budget", "selective_option", "compiled", "activation_bytes",
-    "activation_bytes_per_block", "peak_memory_bytes", "steady_peak_memory_bytes", "median_tokens_per_s",
-    "median_step_time_s", "step_time_vs_none", "mfu", "compile_s", "skipped_steps", "final_loss",
-    "max_abs_loss_diff", "loss_flagged", "pareto",
+    "job", "trial", "run", "ac_mode", "memory_budget", "selective_option", "compiled", "activation_bytes",
+    "planned_activation_bytes", "activation_vs_planned", "activation_bytes_per_block", "peak_memory_bytes",
+    "planned_peak_memory_bytes", "steady_peak_memory_bytes", "median_tokens_per_s", "median_step_time_s",
+    "step_time_vs_none", "mfu", "compile_s", "skipped_steps", "final_loss", "max_abs_loss_diff", "loss_flagged",
+    "pareto", "study",
 ]
 
 
@@ -62,8 +64,8 @@ def loss_diff(losses: dict[int, float], baseline: dict[int, float], tolerance: f
 
 
 def build_rows(sweep: Sweep, tolerance: float) -> tuple[list[dict[str, Any]], list[str]]:
-    """One row per completed run (COLUMNS; `pareto` is filled in by the Pareto front) and notes on what
-    could not be compared or deserves a look."""
+    """One row per completed run (COLUMNS; `pareto` is filled in by the Pareto front, the planned columns by
+    report.planned) and notes on what could not be compared or deserves a look."""
     baselines = match_baselines(sweep.jobs)
     notes = []
     if not baselines:
@@ -73,15 +75,18 @@ def build_rows(sweep: Sweep, tolerance: float) -> tuple[list[dict[str, Any]], li
         s = job.summary
         per_block = s.get("activation_bytes_per_block")
         row = {
-            "job": job.num, "run": job.label, "ac_mode": job.mode, "memory_budget": job.budget,
+            "job": job.num, "trial": job.trial.get("number"), "run": job.label, "ac_mode": job.mode, "memory_budget": job.budget,
             "selective_option": job.ac.get("selective_option") if job.mode == "selective" else None,
             "compiled": job.compiled, "activation_bytes": s.get("activation_bytes"),
+            "planned_activation_bytes": None, "activation_vs_planned": None,
             "activation_bytes_per_block": json.dumps(per_block) if per_block else None,
-            "peak_memory_bytes": s.get("peak_memory_bytes"), "steady_peak_memory_bytes": s.get("steady_peak_memory_bytes"),
+            "peak_memory_bytes": s.get("peak_memory_bytes"), "planned_peak_memory_bytes": None,
+            "steady_peak_memory_bytes": s.get("steady_peak_memory_bytes"),
             "median_tokens_per_s": s.get("median_tokens_per_s"), "median_step_time_s": s.get("median_step_time_s"),
             "step_time_vs_none": None, "mfu": s.get("mfu"), "compile_s": s.get("compile_s"),
             "skipped_steps": s.get("skipped_steps", len(job.skipped)), "final_loss": s.get("final_loss"),
             "max_abs_loss_diff": None, "loss_flagged": None, "pareto": None,
+            "study": (sweep.study if job.trial.get("best") else "") if job.trial else None,
         }
         if row["skipped_steps"]:
             notes.append(f"Job {job.num} ({job.label}): {row['skipped_steps']} steps skipped (loss or gradient not "

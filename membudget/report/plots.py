@@ -231,7 +231,7 @@ def memory_time_figure(rows: list[dict[str, Any]], front: list[FrontPoint], styl
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
     ax.margins(x=0.12, y=0.15)
-    legend = ax.legend(fontsize=FONT - 0.5, loc="upper right", framealpha=0.9)
+    legend = ax.legend(fontsize=FONT - 0.5, loc="best", framealpha=0.9)
     renderer = _freeze_layout(fig)
     # points that coincide on screen (within a marker) share one label, "0.8, 0.9"
     to_px = ax.transData.transform

@@ -13,13 +13,18 @@ from membudget.report.jobs import Sweep
 from membudget.report.pareto import FrontPoint, Ties, front_runs
 
 # report.md's table: (header, column); report.csv keeps every column, raw
-TABLE = [("job", "job"), ("run", "run"), ("activation", "activation_bytes"), ("peak memory", "peak_memory_bytes"),
+TABLE = [("job", "job"), ("trial", "trial"), ("run", "run"), ("activation", "activation_bytes"),
+         ("planned act.", "planned_activation_bytes"), ("act./planned", "activation_vs_planned"),
+         ("peak memory", "peak_memory_bytes"), ("planned peak", "planned_peak_memory_bytes"),
          ("steady peak", "steady_peak_memory_bytes"), ("step time", "median_step_time_s"),
          ("vs none", "step_time_vs_none"), ("tokens/s", "median_tokens_per_s"), ("MFU", "mfu"),
          ("compile", "compile_s"), ("skipped", "skipped_steps"), ("final loss", "final_loss"),
-         ("max loss diff", "max_abs_loss_diff"), ("loss", "loss_flagged"), ("Pareto", "pareto")]
+         ("max loss diff", "max_abs_loss_diff"), ("loss", "loss_flagged"), ("Pareto", "pareto"),
+         ("study", "study")]
 _FORMATS = {
-    "activation_bytes": fmt_bytes, "peak_memory_bytes": fmt_bytes, "steady_peak_memory_bytes": fmt_bytes,
+    "activation_bytes": fmt_bytes, "peak_memory_bytes": fmt_bytes, "planned_activation_bytes": fmt_bytes,
+    "planned_peak_memory_bytes": fmt_bytes, "activation_vs_planned": lambda v: f"{v:.3f}",
+    "steady_peak_memory_bytes": fmt_bytes,
     "median_step_time_s": fmt_time, "compile_s": lambda v: f"{v:.1f} s", "step_time_vs_none": lambda v: f"{v:.2f}x",
     "median_tokens_per_s": lambda v: f"{v:,.0f}", "mfu": lambda v: f"{v:.1%}", "final_loss": lambda v: f"{v:.4f}",
     "max_abs_loss_diff": lambda v: f"{v:.2e}", "loss_flagged": lambda v: "**FLAGGED**" if v else "ok",
@@ -43,8 +48,8 @@ def _point(r: dict[str, Any]) -> str:
 
 
 def verdict(rows, front: list[FrontPoint], ties: Ties, notes: list[str], none_notes: list[str],
-            tolerance: float) -> list[str]:
-    """The report's conclusion as markdown lines."""
+            tolerance: float, study: list[str] = ()) -> list[str]:
+    """The report's conclusion as markdown lines; `study`: a search's study against the front (report.study)."""
     lines = []
     if front:
         lines += [f"Pareto front: the fastest run at each activation memory, less memory first. Runs with "
@@ -58,6 +63,7 @@ def verdict(rows, front: list[FrontPoint], ties: Ties, notes: list[str], none_no
             for other, why in zip(p.tied, p.reasons):
                 line += f"; tied with {other['run']} ({_point(other)}): {why}"
             lines.append(line)
+    lines += list(study)
     flagged = [r["run"] for r in rows if r["loss_flagged"]]
     compared = [r for r in rows if r["loss_flagged"] is not None]
     if flagged:
@@ -73,12 +79,15 @@ def verdict(rows, front: list[FrontPoint], ties: Ties, notes: list[str], none_no
 
 
 def write_markdown(sweep: Sweep, rows, verdict_lines: list[str], plots: dict[str, list[Path]]) -> Path:
+    from membudget.report.study import trial_lines
+
     table = [(h, c) for h, c in TABLE if any(fmt(c, r[c]) for r in rows)]  # no column that is empty throughout
     lines = [f"# AC sweep report: {sweep.dir.name}", "", f"Sweep: `{sweep.dir}`", "", "## Verdict", ""]
     lines += verdict_lines
     lines += ["", "## Runs", "", "| " + " | ".join(h for h, _ in table) + " |", "|" + "---|" * len(table)]
     lines += ["| " + " | ".join(fmt(c, r[c]) for _, c in table) + " |" for r in rows]
-    unfinished = [j for j in sweep.jobs if j.status != "completed"]
+    lines += trial_lines(sweep)
+    unfinished = [j for j in sweep.jobs if j.status != "completed" and not j.trial]  # a trial's: under Trials
     if unfinished:
         lines += ["", "## Not finished", ""]
         lines += [f"- job {j.num} ({' '.join(j.overrides) or j.label}): {j.status}"

@@ -1,0 +1,111 @@
+"""Per-block budgets chosen by the planner (membudget/plan/blocks.py): the mixes it weighs, and on CPU a mix that
+beats every single budget at a memory target, planned as a whole, trained for real: the planned activation bytes
+exactly, the loss of the single-budget runs."""
+
+import dataclasses
+
+import pytest
+
+from membudget.plan import Planner, choose_budget
+from membudget.plan.blocks import best_single, block_bytes, cost, mixes, targets_between
+from membudget.plan.result import UNCERTAINTY, BlockCost
+from membudget.schema import parse_block_budgets
+from tests.conftest import FAST_COMPILE, compose_cfg, read_metrics, train_here
+from tests.test_plan_model import plan
+
+GiB = 2**30
+# The debug model with activations that outweigh its parameters and optimizer states (else no AC setting moves
+# the peak): four blocks, sequences of 256, eight of them
+LARGE = ["logger=none", "train.device=cpu", FAST_COMPILE, "train.seq_len=256", "train.global_batch_size=8"]
+
+
+def _budget(b: float, kept: int, seconds: float, peak: int):
+    p = plan(f"memory_budget {b:g}", b, reserved=peak, seconds=seconds)
+    return dataclasses.replace(p, judged_bytes=peak, blocks=[BlockCost(i, kept, 0, 0, None, None) for i in range(5)])
+
+
+def test_mixes_trade_blocks_between_two_budgets_and_skip_plateaus():
+    n = 4
+    low = _budget(0.4, kept=1 * GiB, seconds=2.0, peak=40 * GiB)
+    high = _budget(0.6, kept=3 * GiB, seconds=1.0, peak=50 * GiB)
+    plateau = _budget(0.7, kept=3 * GiB, seconds=0.9, peak=50 * GiB)  # keeps what 0.6 keeps, faster
+    found = {m.spelling: m for m in mixes([high, low, plateau], n)}
+    assert set(found) == {"0.4*3+0.6", "0.4*2+0.6*2", "0.4+0.6*3", "0.4*3+0.7", "0.4*2+0.7*2", "0.4+0.7*3"}
+    mix = found["0.4+0.6*3"]  # the lower budget in the bottom blocks
+    assert mix.budgets == [0.4, 0.6, 0.6, 0.6]
+    # the peak without the blocks' activations is each point's peak less what its blocks keep; the larger counts
+    assert mix.judged_bytes == max(40 - 4 * 1, 50 - 4 * 3) * GiB + (1 + 3 * 3) * GiB
+    assert mix.cost == pytest.approx((2.0 + 3 * 1.0) / 4)
+    assert block_bytes(low) == GiB and cost(low) == 2.0
+
+
+def test_targets_fall_between_the_plateaus_of_single_budgets():
+    plans = [_budget(b, kept=GiB, seconds=1.0, peak=p * GiB) for b, p in ((0.3, 40), (0.5, 50), (0.6, 50), (0.9, 60))]
+    targets = targets_between(plans, limit=80 * GiB)
+    assert targets == [int(55 * GiB / (1 - UNCERTAINTY)), int(45 * GiB / (1 - UNCERTAINTY))]
+    assert targets_between(plans, limit=50 * GiB) == [int(45 * GiB / (1 - UNCERTAINTY))]
+    assert best_single(plans, targets[1]).memory_budget == 0.3
+
+
+@pytest.fixture(scope="module")
+def chosen():
+    """ac.memory_budget=auto at a target between the peaks of budgets 0.5 and 0.6: the sweep, the mixes and
+    their re-plans, as train.py runs them."""
+    cfg = compose_cfg(*LARGE, "ac=memory_budget", "ac.memory_budget=0.5")
+    with Planner(cfg) as planner:
+        low, high = (planner.plan(planner.point("memory_budget", b)) for b in (0.5, 0.6))
+    target_gib = (low.judged_bytes + high.judged_bytes) / 2 / (1 - UNCERTAINTY) / GiB
+    budget, plan_ = choose_budget(compose_cfg(*LARGE, "ac=memory_budget", "ac.memory_budget=auto",
+                                              f"ac.target_memory_gib={target_gib}"))
+    return budget, plan_, low, high, target_gib
+
+
+@pytest.mark.slow
+def test_auto_chooses_a_per_block_plan_that_beats_every_single_budget(chosen):
+    budget, plan_, low, high, target_gib = chosen
+    assert isinstance(budget, str) and plan_.memory_budget == budget and plan_.label == f"memory_budget {budget}"
+    assert set(parse_block_budgets(budget)) == {0.5, 0.6}  # between the two plateaus it spends the gap
+    assert plan_.fits and plan_.judged_bytes <= target_gib * GiB * (1 - UNCERTAINTY) < high.judged_bytes
+    # on a CPU without a time model: fewer recompute FLOPs than 0.5, the best single budget that fits
+    assert low.judged_bytes <= target_gib * GiB * (1 - UNCERTAINTY)  # 0.5 fits the target, 0.6 does not
+    assert low.recompute_flops > plan_.recompute_flops > high.recompute_flops
+    assert low.activations < plan_.activations < high.activations
+
+
+@pytest.mark.slow
+def test_a_per_block_plan_trains_with_the_planned_activations_and_the_same_loss(chosen, tmp_path):
+    budget, plan_, *_ = chosen
+    run = [*LARGE, "train.steps=2", "train.progress=lines", "data.prefetch=0"]
+    mixed = train_here(tmp_path / "mixed", *run, "ac=memory_budget", f"ac.memory_budget='{budget}'")
+    single = train_here(tmp_path / "single", *run, "ac=memory_budget", "ac.memory_budget=0.5")
+    none = train_here(tmp_path / "none", *run, "ac=none")
+    assert mixed["activation_bytes"] == plan_.activations  # the planner is exact on CPU
+    per_block = mixed["activation_bytes_per_block"]
+    assert len(per_block) == 4 and len(set(per_block)) == 2  # two budgets, two sizes of what a block keeps
+    losses = {name: [r["loss"] for r in read_metrics(tmp_path / name)] for name in ("mixed", "single", "none")}
+    assert losses["mixed"] == losses["single"]  # fp32 on CPU, compiled alike: bitwise
+    assert losses["mixed"] == pytest.approx(losses["none"], abs=1e-5)
+    assert none["activation_bytes"] > mixed["activation_bytes"] > single["activation_bytes"]
+
+
+def test_no_mix_when_none_beats_the_best_single_budget():
+    """Equal step times (a run bound by communication, as 8B over 64 ranks plans): nothing to gain per block."""
+    plans = [_budget(b, kept=int((1 + 10 * b) * GiB), seconds=1.0, peak=int((40 + 40 * b) * GiB))
+             for b in (0.2, 0.4, 0.6)]
+    assert mixes(plans, 32) == []
+
+
+def test_the_sweep_table_says_by_how_much_a_per_block_plan_beats_the_best_single_setting():
+    from membudget.plan.blocks import TargetChoice
+    from membudget.plan.report import blocks_markdown
+
+    single = _budget(0.4, kept=GiB, seconds=2.0, peak=40 * GiB)
+    higher = _budget(0.6, kept=3 * GiB, seconds=1.0, peak=50 * GiB)
+    full = dataclasses.replace(plan("full", None, reserved=30 * GiB, seconds=2.5), judged_bytes=30 * GiB)
+    mixed = dataclasses.replace(_budget(0.5, kept=2 * GiB, seconds=1.6, peak=45 * GiB), memory_budget="0.4*2+0.6*2")
+    target = int(47 * GiB / (1 - UNCERTAINTY))
+    text = blocks_markdown([TargetChoice(target, single, mixed)], [full, single, higher])
+    row = text.splitlines()[-1]
+    assert row.startswith("| 49.5 GiB |") and "0.4*2+0.6*2" in row and row.endswith("| +25.0% | +56.2% |")
+    assert TargetChoice(target, single, mixed).gain == pytest.approx(0.25)
+    assert "| full |" in text.splitlines()[4] and "0.4: " in row  # full fits, its speed is shown; 0.6 does not
