@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from membudget.errors import Stopped, UserError
 from membudget.launch import launch_from_env
 from membudget.rules import validate
-from membudget.schema import register_configs
+from membudget.launch import register_configs
 from membudget.search import objective
 
 register_configs()

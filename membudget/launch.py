@@ -282,6 +282,18 @@ def signal_delay_s(cfg: Any) -> int:
     return int(min(math.ceil(lead), 60 * launcher.timeout_min // 2))
 
 
+def register_configs() -> None:
+    """Register the schema (membudget.schema.RunConfig) as the base of conf/config.yaml (its first default), and
+    the resolvers below. The schema is not stored under any option group, so it can never be picked as an option
+    (`ac=ac_schema`)."""
+    from hydra.core.config_store import ConfigStore
+
+    from membudget.schema import RunConfig
+
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    register_resolvers()
+
+
 def register_resolvers() -> None:
     """`${run_name:}` for Hydra's run/sweep dirs, `${rank_suffix:}` for each rank's own log file, and
     `${signal_delay_s:}` for the SLURM launcher preset."""

@@ -397,18 +397,6 @@ class RunConfig:
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
 
 
-def register_configs() -> None:
-    """Register the schema as the base of conf/config.yaml (its first default), and the resolvers of the
-    run dir's name (membudget.launch). The schema is not stored under any option group, so it can never be
-    picked as an option (`ac=ac_schema`)."""
-    from hydra.core.config_store import ConfigStore
-
-    from membudget.launch import register_resolvers
-
-    ConfigStore.instance().store(name="run_schema", node=RunConfig)
-    register_resolvers()
-
-
 # --- one AC setting: its budget and its label, used by training, metrics, the planner and the report ---------
 
 def _get(node, key: str, default=None):

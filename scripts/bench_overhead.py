@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from membudget.ac import compiler_scope  # noqa: E402
 from membudget.data import TokenBatches, build_tokenizer  # noqa: E402
-from membudget.schema import register_configs  # noqa: E402
+from membudget.launch import register_configs  # noqa: E402
 from membudget.step import build_model  # noqa: E402
 from membudget.trainer import train  # noqa: E402
 

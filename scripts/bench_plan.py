@@ -30,7 +30,7 @@ from membudget.plan import Planner, plan_setting, plan_sweep  # noqa: E402
 from membudget.plan.blocks import per_target, targets_between  # noqa: E402
 from membudget.plan.report import blocks_markdown  # noqa: E402
 from membudget.plan.evidence import error, plan_row, rows  # noqa: E402
-from membudget.schema import register_configs  # noqa: E402
+from membudget.launch import register_configs  # noqa: E402
 
 GiB = 2**30
 SETTING = ["logger=none", "model=llama3_8b", "train.seq_len=8192", "parallelism=fsdp", "plan.world_size=64",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from membudget.schema import register_configs
+from membudget.launch import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

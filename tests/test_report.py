@@ -25,7 +25,8 @@ from membudget.internals import basic_sweeper_jobs
 from membudget.report import plots
 from membudget.report.pareto import Ties, dominates, pareto_front, tied
 from membudget.report.fmt import fmt_bytes, fmt_time
-from membudget.schema import ac_label, register_configs
+from membudget.launch import register_configs
+from membudget.schema import ac_label
 from tests.conftest import FAST_COMPILE, ROOT
 from tests.wandb_offline import find_offline_runs, read_offline_run, read_offline_runs, read_table
 

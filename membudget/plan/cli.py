@@ -59,7 +59,7 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from membudget.schema import register_configs
+    from membudget.launch import register_configs
 
     conf = Path(__file__).resolve().parents[2] / "conf"  # the repository's, as train.py's
 
