@@ -12,3 +12,9 @@ class Stopped(Exception):
         super().__init__(message)
         self.status = status
         self.signal_name = signal_name
+
+
+def one_line(e: BaseException) -> str:
+    """"Type: first line of the message": a failure reported in one line (a failed trial, a report's note)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"

@@ -47,7 +47,7 @@ from typing import Any, Optional, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from membudget.errors import UserError
+from membudget.errors import UserError, one_line
 from membudget.schema import ac_label
 
 log = logging.getLogger("membudget")
@@ -474,8 +474,7 @@ class BudgetSearch:
             if len(values) != len(self.directions):
                 raise UserError(f"job {job} returned {value!r}, not {len(self.directions)} values: is it train.py?")
         except Exception as e:  # a failed job is a failed trial, whatever it raised
-            lines = str(e).strip().splitlines()
-            error = f"{type(e).__name__}: {lines[0] if lines else ''}"
+            error = one_line(e)
             trial.set_user_attr("error", error)
             study.tell(trial, state=TrialState.FAIL)
             log.warning("trial %d (job %d) failed: %s", trial.number, job, error)

@@ -91,6 +91,7 @@ def block_bytes(plan: Plan) -> int:
 
 
 def fits(plan_or_mix, target: int) -> bool:
+    """The verdict "fits" against `target` (Planner._verdict's first test)."""
     return plan_or_mix.judged_bytes <= target * (1 - UNCERTAINTY)
 
 
@@ -117,8 +118,9 @@ def mixes(plans: list[Plan], n_layers: int) -> list[Mix]:
 
 
 def best_single(plans: list[Plan], target: int) -> Optional[Plan]:
-    """The fastest of the single settings (budgets, full, selective, none) that fits, ties to the smaller peak."""
-    return min((p for p in plans if fits(p, target)), key=lambda p: (cost(p), p.judged_bytes), default=None)
+    """The fastest single budget among `plans` that fits `target`, ties to the smaller peak."""
+    return min((p for p in single_budgets(plans) if fits(p, target)), key=lambda p: (cost(p), p.judged_bytes),
+               default=None)
 
 
 def choose_mix(planner, plans: list[Plan], target: int, single: Optional[Plan] = None) -> Optional[Plan]:
@@ -128,8 +130,7 @@ def choose_mix(planner, plans: list[Plan], target: int, single: Optional[Plan] =
     starting where the estimate says, at most REPLANS plans."""
     n = planner.cfg.model.n_layers
     beat = cost(single) if single is not None else float("inf")
-    line = target * (1 - UNCERTAINTY)
-    fitting = [m for m in mixes(plans, n) if m.cost < beat and m.judged_bytes <= line]
+    fitting = [m for m in mixes(plans, n) if m.cost < beat and fits(m, target)]
     if not fitting:
         return None
     first = min(fitting, key=lambda m: (m.cost, m.judged_bytes))
@@ -168,7 +169,7 @@ def per_target(planner, plans: list[Plan], targets: list[int]) -> list[TargetCho
     """At each target: the best single budget and the per-block plan that beats it (if any)."""
     choices = []
     for target in targets:
-        single = best_single(single_budgets(plans), target)
+        single = best_single(plans, target)
         mix = choose_mix(planner, plans, target, single)
         choices.append(TargetChoice(target, single, mix))
     return choices

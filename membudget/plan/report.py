@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Optional
 
 from .measure import CATEGORIES
-from .blocks import cost
-from .result import DOES_NOT_FIT, UNCERTAINTY, Plan, size
+from .blocks import TargetChoice, cost, fits
+from .result import DOES_NOT_FIT, Plan, size
 
 GiB = 2**30
 
@@ -122,10 +122,8 @@ def _speed(plan: Optional[Plan]) -> str:
     return f"{plan.tokens_per_s_per_device:,.0f}"
 
 
-def blocks_markdown(choices, plans: list[Plan]) -> str:
+def blocks_markdown(choices: list[TargetChoice], plans: list[Plan]) -> str:
     """Per memory target: full, selective, the best single budget and the best per-block plan, and the gain."""
-    from .blocks import best_single, single_budgets
-
     timed = plans[0].time is not None
     named = {p.label: p for p in plans if p.ac_mode in ("full", "selective")}
     lines = ["## Per-block budgets against single settings, by memory target", "",
@@ -136,13 +134,12 @@ def blocks_markdown(choices, plans: list[Plan]) -> str:
              "| target | " + " | ".join(named) + " | best single budget | per-block plan | gain | vs full |",
              "|---:|" + "---:|" * len(named) + "---|---|---:|---:|"]
     for c in choices:
-        fitting = [_speed(p) if p.judged_bytes <= c.target * (1 - UNCERTAINTY) else "-" for p in named.values()]
-        single = best_single(single_budgets(plans), c.target)
+        fitting = [_speed(p) if fits(p, c.target) else "-" for p in named.values()]
+        single = c.single
         mixed = (f"{c.per_block.memory_budget}: {_speed(c.per_block)} ({size(c.per_block.judged_bytes)})"
                  if c.per_block else "none beats it")
-        gain = against_full = "-"
-        if c.per_block is not None and single is not None:
-            gain = f"{cost(single) / cost(c.per_block) - 1:+.1%}"
+        gain = "-" if c.gain is None else f"{c.gain:+.1%}"
+        against_full = "-"
         full = named.get("full")
         if c.best is not None and full is not None and c.best.time is not None:
             against_full = f"{cost(full) / cost(c.best) - 1:+.1%}"

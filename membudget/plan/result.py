@@ -117,11 +117,6 @@ class Plan:
         return None if self.verdict == NO_LIMIT else self.verdict == FITS
 
     @property
-    def fit_line(self) -> Optional[int]:
-        """The most `judged_bytes` may be for the verdict "fits" (None: no limit)."""
-        return None if self.limit is None else int(self.limit * (1 - UNCERTAINTY))
-
-    @property
     def step_seconds(self) -> Optional[float]:
         return None if self.time is None else self.time.seconds
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Optional
+from typing import Any
 
 from membudget.report.fmt import fmt_bytes
 from membudget.report.jobs import Job, Sweep

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from omegaconf import OmegaConf
 
+from membudget.errors import one_line
 from membudget.schema import ac_label, budget_of, parse_block_budgets
 
 
@@ -193,8 +194,7 @@ def load_sweep(sweep_dir: Path) -> Sweep:
         try:
             trials = read_trials(sweep_dir)
         except Exception as e:  # no optuna here, another study's db: the job dirs still read
-            lines = str(e).strip().splitlines()
-            study_error = f"{sweep_dir / 'study.db'} not read: {type(e).__name__}: {lines[0] if lines else ''}"
+            study_error = f"{sweep_dir / 'study.db'} not read: {one_line(e)}"
     if sweeper in EXPECTED_JOBS and not study_error:
         expected = EXPECTED_JOBS[sweeper](hydra_cfg, sweep_dir)
     expected = expected or []

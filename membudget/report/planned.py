@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from membudget.errors import one_line
 from membudget.report.jobs import Job, Sweep
 
 PLAN_COLUMNS = ("planned_activation_bytes", "activation_vs_planned", "planned_peak_memory_bytes")
@@ -73,8 +74,7 @@ def add_plans(sweep: Sweep, rows: list[dict[str, Any]]) -> list[str]:
                 finally:
                     quiet.level = level
             except Exception as e:  # a config the planner cannot take: an empty cell, never a failed report
-                lines = str(e).strip().splitlines()
-                cache[key] = f"{type(e).__name__}: {lines[0] if lines else ''}"
+                cache[key] = one_line(e)
         plan = cache[key]
         if isinstance(plan, str):
             failed.append(f"job {job.num} ({job.label}): {plan}")

@@ -23,7 +23,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from matplotlib.transforms import Bbox
 
 from membudget.report.jobs import Job, mean_budget
-from membudget.report.pareto import FrontPoint, candidates
+from membudget.report.pareto import FrontPoint
 
 PLOT_FORMATS = ("png", "svg")
 WIDTH, DPI = 9.0, 100  # 900 px wide: about the width GitHub shows a README image at, so text stays legible

@@ -11,6 +11,7 @@ from membudget.report.compare import COLUMNS
 from membudget.report.fmt import fmt_bytes, fmt_time
 from membudget.report.jobs import Sweep
 from membudget.report.pareto import FrontPoint, Ties, front_runs
+from membudget.report.study import trial_lines
 
 # report.md's table: (header, column); report.csv keeps every column, raw
 TABLE = [("job", "job"), ("trial", "trial"), ("run", "run"), ("activation", "activation_bytes"),
@@ -79,8 +80,6 @@ def verdict(rows, front: list[FrontPoint], ties: Ties, notes: list[str], none_no
 
 
 def write_markdown(sweep: Sweep, rows, verdict_lines: list[str], plots: dict[str, list[Path]]) -> Path:
-    from membudget.report.study import trial_lines
-
     table = [(h, c) for h, c in TABLE if any(fmt(c, r[c]) for r in rows)]  # no column that is empty throughout
     lines = [f"# AC sweep report: {sweep.dir.name}", "", f"Sweep: `{sweep.dir}`", "", "## Verdict", ""]
     lines += verdict_lines
