@@ -13,7 +13,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from membudget.errors import Stopped, UserError
+from membudget.errors import (Stopped, UserError, log_error_once, one_line_hydra_errors, override_problem,
+                             quiet_log_file_errors)
 from membudget.launch import launch_from_env
 from membudget.rules import validate
 from membudget.launch import register_configs
@@ -25,6 +26,7 @@ log = logging.getLogger("membudget")
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
+    quiet_log_file_errors()  # train.log on a full disk: its lines are lost, never a `--- Logging error ---`
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     # one W&B group per sweep: its output dir, e.g. multirun/2026-12-02/11-30-00-123 -> 2026-12-02_11-30-00-123
@@ -36,9 +38,13 @@ def main(cfg: DictConfig) -> float:
         summary = train(cfg, Path(hc.runtime.output_dir), wandb_group=group)
     except UserError as e:
         if multirun:
-            # the sweep's launcher reports the failed job (SLURM: back in the submitting process): name it
-            raise UserError(f"job {hc.job.num} [{' '.join(hc.overrides.task)}]: {e}") from None
-        log.error("error: %s", e)
+            # one line now; the other jobs run, and the sweep ends with one summary line (membudget.errors).
+            # Raised, so that the launcher (SLURM: back in the submitting process) and a search see the failure.
+            message = f"job {hc.job.num} [{' '.join(hc.overrides.task)}]: {e}"
+            log_error_once(log, message)
+            _note_failed_job(Path(hc.runtime.output_dir), f"{type(e).__name__}: {e}")
+            raise UserError(message) from None
+        log_error_once(log, str(e))  # the ranks of a job fail with one line, printed once
         sys.exit(2)
     except Stopped as e:
         log.warning("%s: %s; rerun the same command to resume", e.status, e)
@@ -50,5 +56,33 @@ def main(cfg: DictConfig) -> float:
     return objective(cfg, summary)
 
 
+def _note_failed_job(job_dir: Path, error: str) -> None:
+    """A sweep's job that failed before the trainer wrote its summary.json (a config the validation refused):
+    a summary saying so, for the sweep's report; never in a dir another run holds."""
+    from membudget.rundir import RunDirLock
+
+    if (job_dir / "summary.json").exists():
+        return
+    lock = RunDirLock(job_dir)
+    try:
+        lock.acquire()
+    except (UserError, OSError):  # held by another run, or not writable
+        return
+    try:
+        from membudget.metrics import write_json
+
+        write_json(job_dir / "summary.json", {"status": "failed", "error": error})
+    except OSError:
+        pass  # the job's one line says what failed; the report then shows the job as not finished
+    finally:
+        lock.release()
+
+
 if __name__ == "__main__":
-    main()
+    # an override Hydra's grammar cannot read (an unquoted path with spaces or accents): one line, before Hydra
+    problem = override_problem(sys.argv[1:])
+    if problem:
+        sys.stderr.write(f"error: {problem}\n")
+        sys.exit(1)
+    with one_line_hydra_errors():  # composition errors, a sweep's failed jobs: one line each, no traceback
+        main()

@@ -24,7 +24,13 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from membudget.errors import UserError
-from membudget.internals import checkpoint_wrapper, dynamo_recompile_limit, functorch_config, selective_cache
+from membudget.internals import (
+    checkpoint_wrapper,
+    dynamo_recompile_limit,
+    functorch_config,
+    functorch_supports,
+    selective_cache,
+)
 from membudget.schema import ACMode, block_budgets
 
 aten = torch.ops.aten
@@ -158,10 +164,11 @@ def compiler_scope(ac_cfg, run_dir: Optional[Path] = None, n_layers: Optional[in
             activation_memory_budget_solver=str(ac_cfg.solver),
             activation_memory_budget_runtime_estimator=str(ac_cfg.runtime_estimator),
             visualize_memory_budget_pareto=bool(ac_cfg.visualize_pareto),
-            # Under TP the compiled block takes the process group (a ScriptObject) as an input; it holds no
-            # activation memory, so zero is its true size for the knapsack.
-            unsafe_treat_script_objects_as_zero_size=True,
         )
+        # Under TP the compiled block takes the process group (a ScriptObject) as an input; it holds no
+        # activation memory, so zero is its true size for the knapsack. (torch 2.11 lacks the setting.)
+        if functorch_supports("unsafe_treat_script_objects_as_zero_size"):
+            settings["unsafe_treat_script_objects_as_zero_size"] = True
         budgets = per_block(ac_cfg, n_layers) if n_layers is not None else None
         if budgets is None:
             settings["activation_memory_budget"] = block_budgets(ac_cfg, n_layers or 1)[0]

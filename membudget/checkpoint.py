@@ -174,9 +174,10 @@ class Checkpointer:
     def __init__(self, run_dir: Path, cfg, timeout_s: Optional[float] = None):
         self.dir = Path(run_dir) / "checkpoints"
         self.cfg = cfg
+        self.timeout_s = timeout_s or 1800  # the save's collectives (a stalled peer is named after it)
         self._group = None
         if dist.is_initialized() and _world() > 1:
-            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s or 1800))
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
 
     def _barrier(self) -> None:
         if self._group is not None:

@@ -221,11 +221,59 @@ def _text_builder_rows(files: list[str], **config) -> Iterator[str]:
         yield from batch.column("text").to_pylist()
 
 
+# How much of each data file is looked at before it is read as text, and the share of it that may be bytes
+# that are not UTF-8 text (invalid UTF-8, control characters other than whitespace) before the file is refused
+# as binary: a few stray bytes (a Latin-1 letter, a form feed) are warned about, a binary file is refused.
+TEXT_PROBE_BYTES = 64 * 1024
+MAX_NON_TEXT = 0.10
+_TEXT_CONTROLS = frozenset("\t\n\r\f\v\x1b")
+_warned_files: set[str] = set()
+
+
+def check_text_file(path: str, key: str = "data.path") -> None:
+    """Refuse a file whose first block is not text, in one line naming it: NUL bytes (a binary file, or
+    UTF-16), or more than MAX_NON_TEXT of bytes that are not UTF-8 text; warn once per file when a few are
+    (each becomes U+FFFD, or stays a control character, in what is trained on)."""
+    import codecs
+    import logging
+
+    with open(path, "rb") as f:
+        block = f.read(TEXT_PROBE_BYTES)
+    if not block:
+        return
+    fix = f"point {key} at UTF-8 text files (convert it, e.g. `iconv -t UTF-8`, or leave it out)"
+    if b"\0" in block:
+        raise UserError(f"{key}={path!r}: not a text file (NUL bytes in its first {len(block):,} bytes: binary, "
+                        f"or UTF-16 text); {fix}")
+    # a UTF-8 character cut at the block's end is not an error: an incremental decode, not final
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(block, final=False)
+    bad = text.count("\ufffd") + sum(1 for c in text if c < " " and c not in _TEXT_CONTROLS or c == "\x7f")
+    share = bad / max(len(text), 1)
+    if share > MAX_NON_TEXT:
+        raise UserError(f"{key}={path!r}: not a text file ({share:.0%} of its first {len(block):,} bytes are not "
+                        f"UTF-8 text); {fix}")
+    if bad and path not in _warned_files:
+        _warned_files.add(path)
+        logging.getLogger("membudget").warning(
+            "%s=%r: %d of the first %s characters (%.2f%%) are not UTF-8 text: invalid bytes are read as U+FFFD; "
+            "convert the file to UTF-8 if that is not intended", key, path, bad, f"{len(text):,}", 100 * share)
+
+
+def _checked(files: list[str], key: str) -> list[str]:
+    for file in files:
+        check_text_file(file, key)
+    return files
+
+
 def _text_documents(cfg: DataConfig, files: list[str]) -> Iterator[str]:
     if not files:  # a resume at the end of an epoch
         return
     try:
-        yield from _text_builder_rows(files, sample_by="document")
+        # one document per file, in order: each file is checked as text just before its document is read
+        rows = _text_builder_rows(files, sample_by="document")
+        for file in files:
+            check_text_file(file)
+            yield next(rows)
     except OSError as e:  # a file removed or unreadable since it was listed
         raise UserError(f"data.path={cfg.path!r}: cannot read it ({e}); {_READABLE}") from None
 
@@ -233,6 +281,7 @@ def _text_documents(cfg: DataConfig, files: list[str]) -> Iterator[str]:
 def _jsonl_documents(cfg: DataConfig, files: list[str], start: int) -> Iterator[str]:
     records = 0
     try:
+        _checked(files, "data.path")  # a binary file is named as such, not as its first line's bad JSON
         for line_index, line in enumerate(_text_builder_rows(files, encoding="utf-8-sig")):  # -sig: skip a BOM
             if not line.strip():
                 continue

@@ -44,6 +44,13 @@ def functorch_config(**settings: Any) -> Iterator[None]:
         yield
 
 
+def functorch_supports(setting: str) -> bool:
+    """Whether this torch's torch._functorch.config has `setting` (older releases lack some)."""
+    import torch._functorch.config as config
+
+    return hasattr(config, setting)
+
+
 def functorch_budget() -> float:
     return torch._functorch.config.activation_memory_budget
 
@@ -155,3 +162,30 @@ def dump_cuda_memory_snapshot(path: Any) -> None:
     """The recorded allocator history and the current segments as a pickle for https://pytorch.org/memory_viz;
     torch.cuda.memory._dump_snapshot, private like the recording."""
     torch.cuda.memory._dump_snapshot(str(path))
+
+
+def decomposing_partitioning_backend(wrap_graph: Any) -> Any:
+    """A torch.compile backend that is `aot_eager_decomp_partition` (inductor's decompositions and min-cut
+    partitioner, graphs run op by op) with each compiled forward and backward graph passed through
+    `wrap_graph(run) -> run` (boxed calling convention: `run(args_list)`), so a caller sees where a graph call
+    begins and ends. The planner uses it to price what inductor would fuse; torch registers the plain backend
+    by name only, and its parts (aot_autograd, boxed_nop, the partitioner, the decomposition table) are private."""
+    import functools
+
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._inductor.compile_fx import select_decomp_table
+
+    def compiler(gm: Any, example_inputs: Any) -> Any:
+        run = wrap_graph(boxed_nop(gm, example_inputs))
+        run._boxed_call = True
+        return run
+
+    def backend(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        with torch._functorch.config.patch(unlift_effect_tokens=True):
+            return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=select_decomp_table(),
+                                partition_fn=functools.partial(min_cut_rematerialization_partition,
+                                                               compiler="inductor"))(gm, example_inputs)
+
+    return backend

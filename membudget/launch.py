@@ -223,21 +223,193 @@ def init_distributed(launch: Launch, device, timeout_s: float = 600) -> None:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if launch.launcher == "torchrun":
+        die_with_launcher()
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     try:
-        dist.init_process_group(
+        # torch's store client ignores its timeout while a port that accepts but never answers holds it (it
+        # waits minutes): a deadline of our own, a little past the setting
+        within_deadline(lambda: dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
-        )
+        ), timeout_s + JOIN_SLACK_S, f"parallelism.timeout_s={timeout_s}: rank {launch.rank} of "
+           f"{launch.world_size} could not join the process group at {where} within {timeout_s + JOIN_SLACK_S:g} s "
+           "(nothing answered there); check that MASTER_ADDR:MASTER_PORT is rank 0's host and a free port, and "
+           f"that all {launch.world_size} processes were launched")
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # before interpreter exit
+        Heartbeat.start(launch)
     except (RuntimeError, ValueError) as e:  # DistStoreError, DistNetworkError are RuntimeErrors
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"parallelism.timeout_s={timeout_s}: rank {launch.rank} of {launch.world_size} could not "
                         f"join the process group at {where} ({type(e).__name__}: {first}); check that all "
                         f"{launch.world_size} processes were launched and can reach rank 0's host") from None
+
+
+JOIN_SLACK_S = 5  # past parallelism.timeout_s: torch's own timeout, when it works, speaks first
+
+
+def within_deadline(fn, seconds: float, message: str):
+    """fn() in a helper thread, raising UserError(message) when it has not returned after `seconds` (the
+    thread is left blocked; the process exits soon after). Its exceptions are raised here."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="membudget-join", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise UserError(message)
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+# --- a launcher that goes away, a peer that stops answering ---------------------------------------------------
+
+LAUNCHER_PID: Optional[int] = None  # torchrun's agent, when this worker asked to be told of its death
+
+
+def die_with_launcher() -> None:
+    """A torchrun worker gets SIGTERM when its agent dies (Linux's PR_SET_PDEATHSIG): the trainer turns it into a
+    stop at the next step boundary, with a checkpoint. Workers run in sessions of their own, so a SIGKILL to the
+    agent's process group would otherwise leave them training without a launcher."""
+    global LAUNCHER_PID
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):
+        return
+    LAUNCHER_PID = parent
+    if parent == 1 or os.getppid() != parent:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def launcher_gone() -> Optional[str]:
+    """'torchrun's agent (pid N) exited' when this worker's launcher is gone, else None."""
+    if LAUNCHER_PID is not None and os.getppid() != LAUNCHER_PID:
+        return f"the launcher, torchrun's agent pid {LAUNCHER_PID}, exited"
+    return None
+
+
+class Heartbeat:
+    """Each rank of a multi-rank job bumps a counter of its own in the rendezvous store every second, from a
+    thread of its own (it runs while the rank waits in a collective, and stops when the process is killed or
+    stopped). When a collective fails, `stopped_ranks` names the ranks whose counters stand still."""
+
+    PERIOD_S = 1.0
+    instance: "Optional[Heartbeat]" = None
+
+    def __init__(self, launch: Launch):
+        import threading
+
+        self.launch = launch
+        self.prefix = f"membudget/heartbeat/{launch.job_key or 'job'}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="membudget-heartbeat", daemon=True)
+
+    @classmethod
+    def start(cls, launch: Launch) -> None:
+        if launch.world_size > 1 and cls.instance is None and os.environ.get("MASTER_PORT"):
+            cls.instance = cls(launch)
+            cls.instance.thread.start()
+            atexit.register(cls.instance.done.set)
+
+    def _client(self, timeout_s: float):
+        import torch.distributed as dist
+
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+    def _beat(self) -> None:
+        try:
+            store = self._client(30)
+            while not self.done.is_set():
+                store.add(f"{self.prefix}{self.launch.rank}", 1)
+                self.done.wait(self.PERIOD_S)
+        except Exception:  # noqa: BLE001 - the store is gone (the launcher or rank 0 exited): nothing to beat to
+            pass
+
+    def counts(self, store) -> list[int]:
+        return [store.add(f"{self.prefix}{r}", 0) for r in range(self.launch.world_size)]
+
+    @classmethod
+    def stopped_ranks(cls) -> Optional[list[int]]:
+        """The other ranks whose heartbeat does not advance over 3 periods; None when the store cannot say
+        (it was rank 0's, and it is gone)."""
+        self = cls.instance
+        if self is None:
+            return None
+
+        def look():
+            store = self._client(5)
+            before = self.counts(store)
+            time.sleep(3 * self.PERIOD_S + 0.5)
+            after = self.counts(store)
+            return [r for r in range(self.launch.world_size)
+                    if r != self.launch.rank and after[r] == before[r]]
+
+        try:
+            return within_deadline(look, 15, "the rendezvous store did not answer")
+        except Exception:  # noqa: BLE001 - no store to ask
+            return None
+
+
+def config_fingerprint(config: dict) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_same_config(config: dict, launch: Launch) -> None:
+    """Every rank's resolved config must be rank 0's (two nodes launched with different overrides would train
+    silently apart, or abort deep in a collective): one all-gather of a hash, before any model is built; on a
+    difference, the configs themselves, and one line naming the keys, both values, and the node and rank."""
+    import socket
+
+    import torch.distributed as dist
+
+    from membudget.checkpoint import _flatten
+
+    if launch.world_size == 1 or not dist.is_initialized():
+        return
+    node = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", "?"))
+    mine = (config_fingerprint(config), node, socket.gethostname())
+    everyone = [None] * launch.world_size
+    dist.all_gather_object(everyone, mine)
+    odd = [r for r, (h, _, _) in enumerate(everyone) if h != everyone[0][0]]
+    if not odd:
+        return
+    configs = [None] * launch.world_size
+    dist.all_gather_object(configs, _flatten(config))
+    first = odd[0]
+    ref, other = configs[0], configs[first]
+    keys = sorted(k for k in ref.keys() | other.keys() if ref.get(k) != other.get(k))
+    shown = "; ".join(f"{k}={ref.get(k)!r} on rank 0, {other.get(k)!r} on rank {first}" for k in keys[:6])
+    more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
+    _, node1, host1 = everyone[first]
+    ranks = f"rank {first}" + (f" and {len(odd) - 1} other ranks" if len(odd) > 1 else "")
+    raise UserError(f"{ranks} (node {node1}, host {host1}) resolved another config than rank 0 (node "
+                    f"{everyone[0][1]}, host {everyone[0][2]}): {shown}{more}; launch every node with the same "
+                    "command and overrides")
 
 
 # --- how early SLURM warns before a time limit ---------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from membudget.devices import GPUS, by_cuda_name
 from membudget.internals import CheckpointWrapper, storage_key, tree_leaves
 
 log = logging.getLogger("membudget")
@@ -172,38 +173,19 @@ def peak_memory(device: torch.device) -> dict[str, int]:
 
 # --- throughput ---------------------------------------------------------------------------------------------
 
-# Dense peak FLOP/s per device by the exact name torch.cuda reports, from the vendors' data sheets: (bf16/fp16
-# tensor cores, fp32 without TF32, which torch's default matmul precision does not use).
-PEAK_FLOPS = {
-    "NVIDIA H100 80GB HBM3": (989e12, 67e12),  # SXM5
-    "NVIDIA H100 PCIe": (756e12, 51e12),
-    "NVIDIA H100 NVL": (835e12, 60e12),
-    "NVIDIA H200": (989e12, 67e12),
-    "NVIDIA H800": (989e12, 67e12),
-    "NVIDIA H800 PCIe": (756e12, 51e12),
-    "NVIDIA B200": (2250e12, 80e12),
-    "NVIDIA A100-SXM4-80GB": (312e12, 19.5e12),
-    "NVIDIA A100-SXM4-40GB": (312e12, 19.5e12),
-    "NVIDIA A100 80GB PCIe": (312e12, 19.5e12),
-    "NVIDIA A100-PCIE-40GB": (312e12, 19.5e12),
-    "NVIDIA L40S": (362e12, 91.6e12),
-    "NVIDIA A10": (125e12, 31.2e12),
-}
-
-
 def device_peak_flops(device: torch.device, bf16: bool, configured: Optional[float] = None) -> Optional[float]:
-    """Peak FLOP/s of this device in the run's dtype, for MFU: train.peak_flops, else the table by exact device
-    name; None when unknown (MFU is then not reported rather than guessed)."""
+    """Peak FLOP/s of this device in the run's dtype, for MFU: train.peak_flops, else the data sheet's
+    (membudget/devices.py) by exact device name; None when unknown (MFU is then not reported rather than guessed)."""
     if configured:
         return configured
     if device.type != "cuda":
         return None
-    peaks = PEAK_FLOPS.get(torch.cuda.get_device_name(device))
-    if peaks is None:
+    key = by_cuda_name(torch.cuda.get_device_name(device))
+    if key is None:
         log.warning("no peak FLOP/s known for %r: MFU is not reported; set train.peak_flops",
                     torch.cuda.get_device_name(device))
         return None
-    return peaks[0] if bf16 else peaks[1]
+    return GPUS[key].peak_flops if bf16 else GPUS[key].peak_flops_fp32
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -244,6 +226,25 @@ def write_json(path: Path, data: Any) -> None:
         raise
 
 
+def append_line(path: Path, line: str) -> None:
+    """Append one line whole or not at all: an append that fails (a full disk) truncates the file back to its
+    size before it, so it never ends in half a line."""
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl and forwards it to W&B."""
 
@@ -253,9 +254,7 @@ class MetricsWriter:
 
     def write(self, row: dict[str, Any]) -> None:
         row = finite_row(row)
-        with self.path.open("a") as f:
-            f.write(json.dumps(row, allow_nan=False) + "\n")
-            f.flush()
+        append_line(self.path, json.dumps(row, allow_nan=False))
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in row.items() if k != "step" and not isinstance(v, list)},
                                step=row["step"])

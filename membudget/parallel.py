@@ -5,9 +5,11 @@ before compile so that compile sees the checkpoint (and its selective policy) an
 across it; FSDP last, around the compiled block, so that its all-gathers stay outside the graph. Blocks are
 compiled one by one because they are identical and share one compiled graph.
 
-One code path serves every data-parallel option: FSDP2's `fully_shard` over the 2-D mesh
-(dp_replicate, dp_shard) is HSDP; with dp_shard=1 it is DDP (replicated parameters, all-reduced gradients),
-with dp_replicate=1 it is FSDP.
+The mesh has only the dimensions of degree above 1, as torchtitan builds it: a dimension of size 1 would still
+issue its collectives over one-rank groups (FSDP2 all-reduces over a 2-D mesh's replicate dimension, DTensor
+reduces over every dimension a placement names), each a launch and a stream sync on NCCL. FSDP2 serves every
+data-parallel option: `fully_shard` over (dp_replicate, dp_shard) is HSDP, over dp_shard alone FSDP, and its
+`replicate` over dp_replicate alone is DDP (replicated parameters, all-reduced gradients).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -39,16 +42,26 @@ from membudget.schema import TrainDType
 def build_mesh(p, launch: Launch, device: torch.device) -> Optional[DeviceMesh]:
     if launch.world_size == 1:
         return None
-    degrees = mesh_degrees(p, launch.world_size)
+    degrees = {name: degree for name, degree in mesh_degrees(p, launch.world_size).items() if degree > 1}
     return init_device_mesh(device.type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
+
+
+def mesh_size(mesh: Optional[DeviceMesh], name: str) -> int:
+    """The degree of a mesh dimension: 1 where the mesh has no such dimension (see build_mesh)."""
+    return mesh[name].size() if mesh is not None and name in mesh.mesh_dim_names else 1
+
+
+def dp_dims(mesh: Optional[DeviceMesh]) -> tuple[str, ...]:
+    """The mesh's data-parallel dimensions, outermost first."""
+    return tuple(name for name in ("dp_replicate", "dp_shard") if mesh_size(mesh, name) > 1)
 
 
 def dp_coordinates(mesh: Optional[DeviceMesh]) -> tuple[int, int]:
     """(rank, size) of this process among data-parallel ranks: TP peers read the same rows."""
-    if mesh is None:
-        return 0, 1
-    rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
-    return rep.get_local_rank() * shard.size() + shard.get_local_rank(), rep.size() * shard.size()
+    rank, size = 0, 1
+    for name in dp_dims(mesh):
+        rank, size = rank * mesh[name].size() + mesh[name].get_local_rank(), size * mesh[name].size()
+    return rank, size
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -84,10 +97,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     model.tie_weights()  # the embedding's and the output's weights are both sharded on the vocabulary
 
 
-def apply_compile(model: nn.Module, cfg) -> None:
+def apply_compile(model: nn.Module, cfg, backend=None) -> None:
+    """Compile each block with `backend` (a torch.compile backend; default: compile.backend's)."""
     for name, block in list(model.layers.named_children()):
         model.layers.register_module(
-            name, torch.compile(block, backend=str(cfg.compile.backend), fullgraph=cfg.compile.fullgraph)
+            name, torch.compile(block, backend=backend or str(cfg.compile.backend), fullgraph=cfg.compile.fullgraph)
         )
 
 
@@ -95,35 +109,42 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg, device: torch.device)
     """FSDP2 groups, each gathered just before it is used and freed after: the embedding, every block, and
     [final norm, output] (one group with the embedding when they share a weight). The last block and the
     output group stay gathered after forward, as backward needs them at once; the output group's gradient is
-    reduced as soon as its backward ends, not held to the end of the step."""
+    reduced as soon as its backward ends, not held to the end of the step. Over dp_replicate alone (DDP) the
+    groups are replicated by FSDP2's `replicate`, which neither shards nor gathers."""
     # bf16 compute with fp32 gradient reduction on GPU; CPU stays in fp32 like the single-process run
     mp = MixedPrecisionPolicy()
     if device.type == "cuda" and cfg.train.dtype != TrainDType.float32:
         p = cfg.parallelism
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, str(p.param_dtype)),
                                   reduce_dtype=getattr(torch, str(p.reduce_dtype)))
+    if dp_mesh.mesh_dim_names == ("dp_replicate",):  # DDP: the same groups replicated, nothing to reshard
+        def shard(modules, **_):
+            return replicate(modules, mesh=dp_mesh, mp_policy=mp)
+    else:
+        def shard(modules, **reshard):
+            return fully_shard(modules, mesh=dp_mesh, mp_policy=mp, **reshard)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+        shard(block, reshard_after_forward=i < len(blocks) - 1)
     if model.args.tie_embeddings:
-        fully_shard([model.tok_embeddings, model.norm, model.output], mesh=dp_mesh, mp_policy=mp,
-                    reshard_after_forward=False)
+        shard([model.tok_embeddings, model.norm, model.output], reshard_after_forward=False)
     else:
-        fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp)
-        fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp)  # the root: no parameters of its own, runs the lazy init
+        shard(model.tok_embeddings)
+        shard([model.norm, model.output], reshard_after_forward=False)
+    shard(model)  # the root: no parameters of its own, runs the lazy init
 
 
 def parallelize(model: nn.Module, cfg, mesh: Optional[DeviceMesh] = None,
-                device: torch.device = torch.device("cpu")) -> nn.Module:
-    """Apply TP, AC, compile and FSDP to `model` in place, per block of `model.layers`."""
-    if mesh is not None and mesh["tp"].size() > 1:
+                device: torch.device = torch.device("cpu"), compile_backend=None) -> nn.Module:
+    """Apply TP, AC, compile (with `compile_backend`, default compile.backend's) and FSDP to `model` in place,
+    per block of `model.layers`."""
+    if mesh_size(mesh, "tp") > 1:
         apply_tp(model, mesh["tp"])
     apply_ac(model, cfg.ac)
     if compile_enabled(cfg):
-        apply_compile(model, cfg)
-    if mesh is not None and mesh["dp_replicate"].size() * mesh["dp_shard"].size() > 1:
-        apply_fsdp(model, mesh["dp_replicate", "dp_shard"], cfg, device)
+        apply_compile(model, cfg, compile_backend)
+    if dp := dp_dims(mesh):
+        apply_fsdp(model, mesh[dp], cfg, device)
     return model
 
 
@@ -132,10 +153,10 @@ def gradient_sync(model: nn.Module, mesh: Optional[DeviceMesh], last: bool) -> I
     """The backward of a micro-batch that is not the step's last skips what it can of the gradient sync:
     replicas (DDP, and HSDP across groups) all-reduce only once per step. FSDP shards still reduce-scatter
     every micro-batch: skipping it would hold every block's unsharded gradient until the last one."""
-    if last or mesh is None or not isinstance(model, FSDPModule) or mesh["dp_replicate"].size() == 1:
+    if last or not isinstance(model, FSDPModule) or mesh_size(mesh, "dp_replicate") == 1:
         yield
         return
-    if mesh["dp_shard"].size() == 1:
+    if mesh_size(mesh, "dp_shard") == 1:
         model.set_requires_gradient_sync(False)  # DDP: gradients are whole anyway
     else:
         model.set_requires_all_reduce(False)  # HSDP: reduce-scatter within the group, all-reduce later

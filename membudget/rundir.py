@@ -2,7 +2,8 @@
 an earlier run's files aside instead of mixing them with its own.
 
 The lock is `fcntl.flock` on `<run dir>/.lock`: the OS releases it when the process ends in any way (a
-SIGKILLed run never blocks its own resume), and the file names the holder for the one-line error.
+SIGKILLed run never blocks its own resume), and the file names the holder for the one-line error. The file is
+removed when the run releases it, so it is there only while a run holds it (or after a SIGKILL).
 """
 
 from __future__ import annotations
@@ -39,21 +40,37 @@ class RunDirLock:
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise UserError(f"hydra.run.dir={str(self.path.parent)!r}: another run is using it ({holder}); "
+                                "wait for it to end, or give this run its own hydra.run.dir") from None
+            # the holder removes the file on release: a lock taken on a file no longer at the path is no lock
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             os.close(fd)
-            raise UserError(f"hydra.run.dir={str(self.path.parent)!r}: another run is using it ({holder}); wait "
-                            "for it to end, or give this run its own hydra.run.dir") from None
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
                  .encode())
         self._fd = fd
 
     def release(self) -> None:
+        """Remove the lock file, then unlock: the file exists only while a run holds it, so a run that ends
+        (or is refused after its lock, or by it) leaves no `.lock` behind. A process SIGKILLed while holding
+        it leaves the file, unlocked: the next run takes it over."""
         if self._fd is not None:
+            try:
+                os.unlink(self.path)  # still holding the lock: acquire() above retries on the new file
+            except OSError:
+                pass  # already gone, or the dir is read-only now: the unlocked file is harmless
             os.close(self._fd)  # closing releases the flock
             self._fd = None
 
@@ -123,7 +140,9 @@ def creatable(path: Path) -> Optional[str]:
 
 
 class RunDirCheck(Callback):
-    """A Hydra callback: a run dir that cannot be made is one line (Hydra would print a traceback making it)."""
+    """A Hydra callback: a run dir that cannot be made is one line (Hydra would print a traceback making it).
+    In a multirun it also notes each job that ends in this process (membudget.errors.SweepJobs), for the
+    sweep's one summary line when jobs failed."""
 
     def _check(self, key: str, path) -> None:
         problem = creatable(Path(str(path)))
@@ -135,4 +154,12 @@ class RunDirCheck(Callback):
         self._check("hydra.run.dir", config.hydra.run.dir)
 
     def on_multirun_start(self, config, **kwargs) -> None:
+        from membudget.errors import SweepJobs
+
+        SweepJobs.ended = []
         self._check("hydra.sweep.dir", config.hydra.sweep.dir)
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        from membudget.errors import SweepJobs
+
+        SweepJobs.ended.append(job_return)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -67,28 +67,32 @@ class Numerics:
         attention = "cpu" if backends is None else backends[0].name.split("_")[0].lower()
         return cls(target, bf16, expand_kv, attention)
 
-    def context(self, device_type: str) -> contextlib.AbstractContextManager:
-        """Autocast on `device_type` (the CPU when the planner emulates a GPU), and on CUDA the one attention
-        kernel chosen, so a case it cannot run fails instead of falling back to the math kernel."""
-        stack = contextlib.ExitStack()
-        if self.bf16:
-            stack.enter_context(torch.autocast(device_type, dtype=torch.bfloat16))
-        if device_type == "cuda":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
+    @contextlib.contextmanager
+    def context(self, device_type: str, autocast: bool = True) -> Iterator[None]:
+        """Autocast on `device_type` (the CPU when the planner emulates a GPU; `autocast=False` for a backward),
+        and on CUDA the one attention kernel chosen, so a case it cannot run fails instead of falling back to the
+        math kernel, and a recompute in the backward runs the forward's kernel."""
+        with contextlib.ExitStack() as stack:
+            if self.bf16 and autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=torch.bfloat16))
+            if device_type == "cuda":
+                from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            stack.enter_context(sdpa_kernel([SDPBackend[self.attention.upper() + "_ATTENTION"]]))
-        return stack
+                # an enum attribute: torch 2.11's SDPBackend takes no subscript
+                stack.enter_context(sdpa_kernel([getattr(SDPBackend, self.attention.upper() + "_ATTENTION")]))
+            yield
 
 
 def build_parallel_model(cfg, mesh=None, device: torch.device = torch.device("cpu"),
-                         n_layers: Optional[int] = None) -> Transformer:
-    """Llama 3 on the meta device, parallelised per block (TP, AC, compile, FSDP) for `device`: no memory yet."""
+                         n_layers: Optional[int] = None, compile_backend=None) -> Transformer:
+    """Llama 3 on the meta device, parallelised per block (TP, AC, compile, FSDP) for `device`: no memory yet.
+    `compile_backend`: a torch.compile backend in place of compile.backend's (the planner's)."""
     args = ModelArgs.from_config(cfg.model)
     if n_layers is not None:
         args.n_layers = n_layers
     with torch.device("meta"):
         model = Transformer(args)
-    parallelize(model, cfg, mesh, device)
+    parallelize(model, cfg, mesh, device, compile_backend)
     return model
 
 
@@ -144,14 +148,19 @@ def build_optimizer(model: torch.nn.Module, cfg):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
 
 
-def forward_backward(model, inputs, labels, counter: ActivationCounter,
-                     context: contextlib.AbstractContextManager = contextlib.nullcontext(), scale: float = 1.0):
-    """One micro-batch: forward under the activation counter, loss, backward of `scale * loss`.
+def forward_backward(model, inputs, labels, counter: ActivationCounter, numerics: Optional[Numerics] = None,
+                     device_type: str = "cpu", scale: float = 1.0):
+    """One micro-batch: forward under the activation counter (with `numerics` on `device_type`: autocast, the
+    attention kernel), loss, backward of `scale * loss` (with the same attention kernel: checkpointed blocks
+    recompute their forward there, and must run what it ran).
 
     Returns the detached loss and the activation bytes the forward kept for backward. The logits are released
     before backward: the loss's graph keeps what it needs (log-softmax's fp32 output), nothing else does.
     """
-    with counter.count(), context:
+    def context(autocast: bool):
+        return numerics.context(device_type, autocast) if numerics is not None else contextlib.nullcontext()
+
+    with counter.count(), context(autocast=True):
         logits = model(inputs)
         # Under TP the logits are a DTensor sharded on the vocabulary: loss_parallel computes the cross-entropy
         # and, below, its backward on the shards
@@ -161,6 +170,6 @@ def forward_backward(model, inputs, labels, counter: ActivationCounter,
         del logits
     nbytes = counter.nbytes
     counter.release()
-    with on_shards():
+    with on_shards(), context(autocast=False):
         (loss * scale).backward()
     return local_tensor(loss).detach(), nbytes

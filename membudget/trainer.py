@@ -31,9 +31,10 @@ from membudget.ac import compiler_scope
 from membudget.checkpoint import Checkpointer, config_changes, save_seconds
 from membudget.data import Prefetcher, TokenBatches, build_tokenizer, vocab_size_check
 from membudget.diagnostics import Diagnostics
-from membudget.errors import Stopped, UserError
+from membudget.errors import Stopped, UserError, quiet_log_file_errors
 from membudget.fit import check_fits
-from membudget.launch import Launch, init_distributed, launch_from_env, pick_device, warn_if_unused_allocation
+from membudget.launch import (Heartbeat, Launch, check_same_config, init_distributed, launch_from_env, launcher_gone,
+                              pick_device, warn_if_unused_allocation)
 from membudget.metrics import (
     ActivationCounter,
     MetricsWriter,
@@ -61,6 +62,54 @@ class LossNotFinite(UserError):
     """The loss or the gradient norm became NaN or inf: the run stops before the optimizer steps on it."""
 
 
+class PeerLost(UserError):
+    """Another rank died or stopped answering inside a collective: one line naming it, where, and what to rerun."""
+
+
+# where this rank is, for the line that names a peer which stopped answering: (what it was doing, the step)
+_WHERE: dict[str, Any] = {"phase": "setup (joining, checking the config, resuming)", "step": None}
+
+
+def _at(phase: str, step: Optional[int]) -> None:
+    _WHERE["phase"], _WHERE["step"] = phase, step
+
+
+_PEER_FAILURE = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "timed out",
+                 "Connection refused", "Broken pipe", "gloo", "NCCL")
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    """A collective that failed because a peer died or stalled (gloo's and NCCL's errors, c10d's DistError)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1) or isinstance(e, UserError):
+        return False
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_FAILURE)
+
+
+def _peer_lost_line(cfg, run_dir: Path, run: "Optional[Run]") -> str:
+    stopped = Heartbeat.stopped_ranks()
+    if stopped:
+        who = ("rank " if len(stopped) == 1 else "ranks ") + ", ".join(map(str, stopped))
+    else:
+        who = "another rank (the rendezvous store, gone with it, could not say which)"
+    phase, step = _WHERE["phase"], _WHERE["step"]
+    saving = phase.startswith("the checkpoint save") and run is not None
+    setting = (f"checkpoint.timeout_s={run.checkpointer.timeout_s:g}" if saving
+               else f"parallelism.timeout_s={cfg.parallelism.timeout_s}")
+    if not cfg.checkpoint.enabled:
+        resume = "checkpointing is off: rerunning the same command starts again from step 0"
+    else:
+        root = (run.run_dir if run is not None else Path(run_dir)) / "checkpoints"
+        done = sorted((p for p in root.glob("step_*") if (p / "manifest.json").is_file()), key=lambda p: p.name)
+        resume = (f"the last complete checkpoint is {done[-1].name}: rerun the same command to resume" if done
+                  else "no checkpoint was completed yet: rerunning the same command starts again from step 0")
+    at = f" at step {step}" if step is not None else ""
+    return f"{who} stopped answering during {phase}{at} ({setting}); {resume}"
+
+
+
+
 class StopSignals:
     """Signals noted at once and acted on at the next step boundary, where all ranks agree to stop:
     - SIGUSR2, SLURM's warning before the time limit (the launcher presets ask for it; submitit also uses it
@@ -80,8 +129,18 @@ class StopSignals:
     def _note(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.received is not None:
             raise KeyboardInterrupt  # the second Ctrl-C
-        log.warning("received %s: stopping after this step, with a checkpoint", signal.Signals(signum).name)
+        gone = launcher_gone() if signum == signal.SIGTERM else None
+        # several ranks: said at the step boundary, once every rank agreed to stop (torchrun's SIGTERM after
+        # another rank failed is followed by no agreement and no checkpoint, only the line naming that rank)
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            log.warning("received %s: stopping at the end of this step", signal.Signals(signum).name)
         self.received = signum
+        self.why = gone
+
+    received_by: Optional[int] = None  # the lowest rank that received a signal, agreed at the step's sync
+    reached: Optional[str] = None  # "rank 1", "ranks 0, 2", "every rank"
+    agreed: Optional[int] = None  # that rank's signal
+    why: Optional[str] = None
 
     @property
     def status(self) -> str:
@@ -195,13 +254,13 @@ def _resume(cfg, checkpointer: Checkpointer, model, optimizer, scheduler) -> Opt
                             f"trained with other settings that change the model or the data ({'; '.join(refused)}); "
                             "set them back, or start fresh with checkpoint.resume=never "
                             "checkpoint.archive_old_run=true")
+        if state["step"] > cfg.train.steps:  # refused before any change is announced as taking effect
+            raise UserError(f"train.steps={cfg.train.steps}: the checkpoint to resume is at step {state['step']}; "
+                            f"set train.steps={state['step']} or more to continue it")
         for change in applied:
             log.warning("resuming with a changed setting, which takes effect now: %s", change)
         for change in allowed:
             log.info("resuming with a changed setting that leaves the math alone: %s", change)
-        if state["step"] > cfg.train.steps:
-            raise UserError(f"train.steps={cfg.train.steps}: the checkpoint to resume is at step {state['step']}; "
-                            f"set train.steps={state['step']} or more to continue it")
 
     path = None if cfg.checkpoint.resume == "auto" else Path(cfg.checkpoint.resume)
     restored = checkpointer.restore(model, optimizer, scheduler, path=path, accept=accept)
@@ -235,7 +294,11 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     device = pick_device(str(cfg.train.device), launch)
     init_distributed(launch, device, cfg.parallelism.timeout_s)  # once per process: a multirun's jobs share it
     quiet_console(launch.is_main)
+    _at("the check that every rank has the same config", None)
+    check_same_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), launch)  # before any model
+    _at("setup (the run dir, the model, resuming)", None)
     run_dir = _agree_on_run_dir(Path(run_dir), launch)
+    quiet_log_file_errors()  # this rank's log file, if it follows rank 0's dir
     shape = StepShape.from_config(cfg, launch.world_size)
     numerics = Numerics.for_target(cfg, device.type, torch.cuda.get_device_capability(device)
                                    if device.type == "cuda" else (0, 0))
@@ -304,7 +367,7 @@ def train_step(run: Run) -> StepResult:
     activation_bytes, per_block = 0, []
     for i, (x, y) in enumerate(zip(inputs.split(micro), labels.split(micro))):
         with gradient_sync(run.model, run.mesh, last=i == n_micro - 1):
-            loss, nbytes = forward_backward(run.model, x, y, run.counter, run.numerics.context(run.device.type),
+            loss, nbytes = forward_backward(run.model, x, y, run.counter, run.numerics, run.device.type,
                                             scale=1 / n_micro)
         if nbytes >= activation_bytes:  # activations live from one micro-batch's forward to its backward
             activation_bytes, per_block = nbytes, _blocks(run.counter.last_per_block, run.model)
@@ -323,10 +386,25 @@ def apply_step(run: Run, result: StepResult, stop: StopSignals, step: int) -> tu
     run is to stop. The step's one host sync reads that verdict, together with whether any rank was asked to
     stop. Returns (stop after this step, why the run diverged or None)."""
     bad = ~(torch.isfinite(result.loss) & torch.isfinite(result.grad_norm))
-    flags = torch.stack([bad.float(), torch.tensor(float(stop.received is not None), device=run.device)])
+    # [not finite, the signal each rank received (0: none)]: every rank learns which signal reached which rank
+    signals = torch.zeros(run.launch.world_size, device=run.device)
+    signals[run.launch.rank] = float(stop.received or 0)
+    flags = torch.cat([bad.float().reshape(1), signals])
     if dist.is_initialized():
+        _at(f"the all-reduce that ends step {step}", step)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    nonfinite, stop_now = (v > 0 for v in flags.tolist())
+    values = flags.tolist()
+    nonfinite, received = values[0] > 0, [int(v) for v in values[1:]]
+    stop_now = any(received)
+    if stop_now and stop.agreed is None:
+        stop.received_by = next(r for r, v in enumerate(received) if v)
+        stop.agreed = received[stop.received_by]
+        stop.reached = "every rank" if all(received) else \
+            "rank" + ("s " if sum(map(bool, received)) > 1 else " ") + ", ".join(str(r) for r, v in enumerate(received) if v)
+        if run.launch.world_size > 1:
+            log.warning("%s reached %s%s: every rank stops after step %d%s", signal.Signals(stop.agreed).name,
+                        stop.reached, f" ({stop.why})" if stop.why else "", step,
+                        ", with a checkpoint" if run.cfg.checkpoint.enabled else "")
     if not nonfinite:
         run.skipped_in_a_row = 0
         run.optimizer.step()
@@ -410,6 +488,7 @@ def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnosti
         if first and compile_enabled(run.cfg):
             log.info("compiling %d blocks (%s) in the first step: it takes longer, and is kept out of the "
                      "median tokens/s", run.cfg.model.n_layers, run.cfg.compile.backend)
+        _at("the forward and backward (their collectives)", step)
         result = train_step(run)
         lr = run.optimizer.param_groups[0]["lr"]  # what this step's optimizer step uses
         stop_now, diverged = apply_step(run, result, stop, step)
@@ -421,18 +500,24 @@ def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnosti
                      ", ".join(f"{b / 2**20:.2f} MiB" for b in result.per_block))
         if step % t.log_every == 0 or step == t.steps or stop_now or result.skipped:
             _sync(run.device)
+            _at("the all-reduce of the metrics", step)
             seconds = (time.perf_counter() - interval_start) / interval_steps
             progress.update(log_step(run, step, result, lr, seconds))
             interval_start, interval_steps = time.perf_counter(), 0
         if diverged:
             raise LossNotFinite(diverged)
         if run.cfg.checkpoint.enabled and (stop_now or run.checkpointer.due(step, t.steps)):
+            _at("the checkpoint save", step)
             save_checkpoint(run, step)
         diagnostics.on_step_end(step)
         if stop_now:
             saved = "checkpoint saved" if run.cfg.checkpoint.enabled else "checkpointing is off"
-            name = signal.Signals(stop.received).name if stop.received else "a signal"
-            raise Stopped(stop.status, name, f"stopped by {name} after step {step}, {saved}")
+            signum = stop.agreed or stop.received
+            name = signal.Signals(signum).name if signum else "a signal"
+            where = f" to {stop.reached}" if run.launch.world_size > 1 and stop.reached else ""
+            why = f" ({stop.why})" if stop.why else ""
+            status = StopSignals.SIGNALS.get(signum, stop.status)
+            raise Stopped(status, name, f"stopped by {name}{where}{why} after step {step}, {saved}")
 
 
 def summarize(run: Run) -> dict[str, Any]:
@@ -480,12 +565,15 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
     UserError for what the user can fix, Stopped after SIGTERM/Ctrl-C (checkpoint and summary written); after
     SLURM's USR2 it hands over to submitit, which requeues the job."""
     summary: dict[str, Any] = {"status": "failed"}
+    quiet_log_file_errors()  # train.log on a full disk: no `--- Logging error ---` tracebacks
     stop = StopSignals()
     run: Optional[Run] = None
     stopped: Optional[Stopped] = None
+    failure: Optional[BaseException] = None
     try:
         with contextlib.ExitStack() as stack:
             try:
+                _at("setup (joining, checking the config, resuming)", None)
                 run = setup(cfg, Path(run_dir), wandb_group, stack)
                 log.info("model %s: %s parameters (%.1f MiB on this rank), %s, parallelism=%s on %s, rank %d/%d "
                          "pid %d", cfg.model.name, f"{num_params(run.model):,}",
@@ -508,16 +596,29 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
             except Stopped as e:
                 summary, stopped = {**summarize(run), "status": e.status, "stopped": str(e)}, e
             except BaseException as e:
-                summary["error"] = f"{type(e).__name__}: {e}"
+                if _is_peer_failure(e):  # a peer died or stalled in a collective: one line, no traceback
+                    log.debug("collective failed: %s", e)
+                    failure = PeerLost(_peer_lost_line(cfg, Path(run_dir), run))
+                summary["error"] = f"{type(failure or e).__name__}: {failure or e}"
                 if isinstance(e, KeyboardInterrupt):
                     summary["status"] = "interrupted"
+                if failure is not None:
+                    raise failure from None
+                failure = e
                 raise
             finally:
                 if run is not None:
-                    _finish(run, summary)
+                    missing = _finish(run, summary)
+                    ending = stopped or failure
+                    if missing and isinstance(ending, (UserError, Stopped)) and ending.args:
+                        ending.args = (f"{ending.args[0]}; {missing}", *ending.args[1:])  # still one line
+                    elif missing:
+                        log.error("%s", missing)
     finally:
         requeue = stop.previous.get(signal.SIGUSR2)
         stop.restore()
+        if isinstance(failure, PeerLost) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's shutdown: the line is said first
     if stopped is not None and stopped.status == "preempted":
         if callable(requeue):
             requeue(signal.SIGUSR2, None)  # submitit's handler: requeue the job (rank 0), then exit
@@ -527,14 +628,23 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
     return summary
 
 
-def _finish(run: Run, summary: dict[str, Any]) -> None:
-    """summary.json (rank 0, atomically) and the W&B run's end, whatever happened."""
+def _finish(run: Run, summary: dict[str, Any]) -> Optional[str]:
+    """summary.json (rank 0, atomically) and the W&B run's end, whatever happened. On a full disk the summary
+    is written without its config (.hydra/config.yaml holds it) if that fits; returns why summary.json is
+    missing (or stale), else None."""
+    missing = None
     if run.launch.is_main:
         summary.update(_summary_header(run.cfg, run.launch.world_size, run.wandb_run))
+        path = run.run_dir / "summary.json"
         try:
-            write_json(run.run_dir / "summary.json", summary)
-        except OSError as e:
-            log.error("could not write %s (%s)", run.run_dir / "summary.json", e.strerror or e)
+            write_json(path, summary)
+        except OSError:
+            try:
+                write_json(path, {k: v for k, v in summary.items() if k != "config"})
+            except OSError as e:
+                state = "is the earlier run's, not updated" if path.exists() else "is missing"
+                missing = f"{path} {state} ({e.strerror or e})"
     if run.wandb_run is not None:
         run.wandb_run.summary.update({k: v for k, v in summary.items() if k not in ("config", "wandb")})
         run.wandb_run.finish(exit_code=0 if summary["status"] in ("completed", "preempted", "interrupted") else 1)
+    return missing

@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 from membudget.plan import Planner, plan_setting, plan_sweep  # noqa: E402
 from membudget.plan.blocks import per_target, targets_between  # noqa: E402
 from membudget.plan.report import blocks_markdown  # noqa: E402
-from membudget.plan.evidence import error, plan_row, rows  # noqa: E402
+from membudget.devices import GPUS  # noqa: E402
+from membudget.plan.evidence import error, plan_row, ranked_pairs, rows, speed_summary  # noqa: E402
 from membudget.launch import register_configs  # noqa: E402
 
 GiB = 2**30
@@ -93,23 +94,46 @@ def _pct(predicted, measured) -> str:
 
 def evidence() -> str:
     lines = ["| row | measured GiB | reserved peak, as run | error | with the other allocator | error | verdict | "
-             "measured tokens/s per GPU | predicted | error |", "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
-    plans = {}
-    for row in rows():
+             "measured tokens/s per GPU | predicted | error | speed |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    all_rows, plans, by_config = rows(), {}, {}
+    for row in all_rows:
+        f = row.fields
+        if int(f["dp_shard"]) * int(f.get("tp") or 1) != int(f["gpus"]) or f["gpu"] not in GPUS:
+            continue  # pipeline or context parallelism, or a GPU the table lacks: nothing to plan
         key = tuple(row.overrides())
-        if key not in plans:
+        if key not in by_config:
             start = time.perf_counter()
-            plans[key] = plan_row(row, lambda o: compose_cfg(o))
+            try:
+                by_config[key] = plan_row(row, lambda o: compose_cfg(o))
+            except Exception as e:  # a layout this trainer refuses (e.g. pipeline stages): a row without a plan
+                by_config[key] = e
             print(f"{row.id}: planned in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-        plan, measured = plans[key], row.measured
-        other = plan.reserved_other.nbytes
+        plan, measured = by_config[key], row.measured
         measured_gib = "OOM" if row.fields["outcome"] == "oom" else "-" if measured is None else f"{measured / GiB:.2f}"
-        note = "" if row.modelled else " (not modelled: Float8)"
+        note = "" if row.modelled else " (not modelled)"
+        if isinstance(plan, Exception):
+            lines.append(f"| {row.id}{note} | {measured_gib} | not planned: {str(plan).splitlines()[0][:80]} |"
+                         + " |" * 8)
+            continue
+        plans[row.id] = plan
+        other = plan.reserved_other.nbytes
+        role = "-" if not (row.modelled and row.measured_speed) else "fitted" if row.fitted else "held out"
         lines.append(
             f"| {row.id}{note} | {measured_gib} | {plan.reserved_peak / GiB:.2f} | "
             f"{_pct(plan.reserved_peak, measured)} | "
-            f"{other / GiB:.2f} | {_pct(other, measured)} | {plan.verdict} | {row.measured_speed or '-'} | "
-            f"{plan.tokens_per_s_per_device:,.0f} | {_pct(plan.tokens_per_s_per_device, row.measured_speed)} |")
+            f"{other / GiB:.2f} | {_pct(other, measured)} | {plan.verdict} | "
+            f"{'-' if not row.measured_speed else f'{row.measured_speed:,.0f}'} | "
+            f"{plan.tokens_per_s_per_device:,.0f} | {_pct(plan.tokens_per_s_per_device, row.measured_speed)} | "
+            f"{role} |")
+    summary = speed_summary(all_rows, plans)
+    lines += ["", f"Tokens/s of modelled rows: {summary.line()}.", "",
+              "Settings of one run whose measured speeds differ by 5 % or more, faster first:", ""]
+    for fast, slow in ranked_pairs(all_rows):
+        same = plans[fast.id].tokens_per_s_per_device > plans[slow.id].tokens_per_s_per_device
+        lines.append(f"- {fast.id} over {slow.id}: measured {fast.measured_speed / slow.measured_speed - 1:+.1%}, "
+                     f"planned {plans[fast.id].tokens_per_s_per_device / plans[slow.id].tokens_per_s_per_device - 1:+.1%}"
+                     f" ({'same order' if same else 'WRONG ORDER'})")
     return "\n".join(lines) + "\n"
 
 

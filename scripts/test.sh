@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python3 -m pip install -q -e '.[dev]' </dev/null
+python3 -m ruff check .
 bash scripts/slurm/start.sh
 trap 'bash scripts/slurm/stop.sh' EXIT
 MEMBUDGET_REQUIRE_SLURM=1 python3 -m pytest "$@"

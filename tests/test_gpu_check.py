@@ -3,9 +3,13 @@ on a GPU. On the CPU the plan is exact: activation, parameter, gradient and opti
 first two steps as torch's MemTracker sees it."""
 
 import importlib.util
+import json
 import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import ROOT
 
@@ -34,3 +38,98 @@ def test_the_cpu_path_runs_each_setting_and_the_plan_matches_it_exactly(capsys):
         assert plan.reserved is None and plan.time is None and real.tokens_per_s > 0
     table = check.table(rows)
     assert table.count("\n") == len(rows) + 1 and "(+0.0%)" in table
+
+
+KERNELS = {
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "gemm",
+    "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT": "gemm",
+    "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>": "gemm",
+    "triton_tem_fused_mm_0": "gemm",
+    "aten::mm": "gemm",
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, true>": "attention fwd",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128>>": "attention bwd",
+    "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)": "attention fwd",
+    "fmha_cutlassB_bf16_aligned_128x64_k128_sm80(PyTorchMemEffAttention::AttentionBackwardKernel)": "attention bwd",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0": "attention bwd",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention fwd",
+    "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "triton fused",
+    "triton_poi_fused_mul_silu_1": "triton fused",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, LogSoftMaxForwardEpilogue>":
+        "softmax/CE",
+    "void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>": "softmax/CE",
+    "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>":
+        "copy/cast",
+    "Memcpy DtoD (Device -> Device)": "copy/cast",
+    "Memset (Device)": "copy/cast",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float>>>":
+        "reduction/norm",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": "elementwise",
+    "aten::mul": "elementwise",
+    "some_unknown_kernel": "other",
+}
+
+
+def test_the_kernel_classifier_maps_known_kernel_names_to_their_op_class():
+    check = gpu_check()
+    assert {name: check.classify(name) for name in KERNELS} == KERNELS
+    assert set(KERNELS.values()) == set(check.CLASSES)
+
+
+def test_a_chrome_trace_becomes_a_kernel_table_per_class(tmp_path):
+    check = gpu_check()
+
+    class Trace:  # a profile whose Chrome trace has two steps' kernels (as a GPU's has) and a CPU op
+        def export_chrome_trace(self, path):
+            events = [{"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256", "dur": 300.0},
+                      {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_mul_silu_1", "dur": 50.0},
+                      {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "dur": 10.0},
+                      {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 999.0}]
+            Path(path).write_text(json.dumps({"traceEvents": events * 2}))
+
+    kernels = check._kernels_from_trace(Trace())
+    assert kernels == {"nvjet_tst_128x256": [2, 600.0], "triton_poi_fused_mul_silu_1": [2, 100.0],
+                       "Memcpy DtoD (Device -> Device)": [2, 20.0]}
+    table = check.kernel_table(kernels, steps=2, step_s=1e-3, unprofiled_step_s=0.9e-3)
+    assert table["classes"]["gemm"] == {"count": 1, "ms_per_step": 0.3, "share_of_step": pytest.approx(0.3)}
+    assert table["kernel_ms_per_step"] == pytest.approx(0.36) and table["gap_ms_profiled"] == pytest.approx(0.64)
+    assert table["kernels"][0] == {"name": "nvjet_tst_128x256", "class": "gemm", "count": 2, "total_us": 600.0}
+    assert "| gemm | 1 | 0.30 | 30.0% |" in check.profile_md("none", table)
+
+
+def test_a_failing_section_is_recorded_and_the_rest_still_run_and_write_json(tmp_path):
+    check = gpu_check()
+    report, ran = check.Report(tmp_path), []
+
+    def broken():
+        raise ValueError("no such kernel\nsecond line")
+
+    check.run_sections([("a", lambda: ran.append("a")), ("b", broken), ("c", lambda: report.set("c", [1]))],
+                       report, budget_s=60, start=time.perf_counter())
+    check.run_sections([("late", lambda: ran.append("late"))], report, budget_s=0, start=time.perf_counter() - 1)
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert ran == ["a"] and data["c"] == [1]
+    assert {k: (v["status"], v["error"]) for k, v in data["sections"].items()} == {
+        "a": ("ok", ""), "b": ("error", "ValueError: no such kernel"), "c": ("ok", ""),
+        "late": ("skipped", "out of --budget-s 0")}
+    assert "| b | error: ValueError: no such kernel |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_the_microbenchmarks_and_a_profiled_step_run_on_the_cpu(tmp_path, monkeypatch):
+    check = gpu_check()
+    monkeypatch.setattr(check, "BENCH_MS", 1.0)
+    monkeypatch.setattr(check, "TINY", check.Shapes(dim=64, heads=2, kv_heads=1, head_dim=32, ffn=128, vocab=256,
+                                                     tokens=64, layers=1, square=128, copy_bytes=1 << 20,
+                                                     seqs=(64,), elementwise=1 << 14))
+    data = check.main(["--device", "cpu", "--sections", "env,micro", "--out", str(tmp_path)])
+    assert data["sections"] == {"env": {"status": "ok", "error": "", "seconds": pytest.approx(0, abs=60)},
+                                "micro": {"status": "ok", "error": "", "seconds": pytest.approx(0, abs=60)}}
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["micro"]["rows"]
+    assert [r for r in rows if "error" in r] == []
+    assert {r["class"] for r in rows} == {"ceiling", "gemm", "attention fwd", "attention bwd", "copy/cast",
+                                          "elementwise", "reduction/norm", "softmax/CE", "optimizer", "host"}
+    assert all(r["ms"] > 0 for r in rows) and rows[1]["op"] == "mm" and rows[1]["of_peak_flops"] == 1.0
+
+    a = torch.randn(64, 64)
+    table = check.profile_steps_table(lambda: (a @ a).relu().sum(), torch.device("cpu"), 2, 1e-3)
+    assert table["source"] == "key_averages cpu self" and table["classes"]["gemm"]["count"] == 1

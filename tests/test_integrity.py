@@ -91,7 +91,7 @@ def test_a_second_run_in_a_used_dir_is_refused_naming_the_holder(tmp_path):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from membudget.rundir import RunDirLock; "
-         f"RunDirLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)", str(run_dir)],
+         "RunDirLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)", str(run_dir)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True, env=subprocess_env(PYTHONPATH=str(ROOT)))
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -151,9 +151,12 @@ def test_a_resume_applies_optimizer_changes_and_allows_ac_changes(checkpointed, 
     assert rows[2]["lr"] == pytest.approx(expected)  # the new peak LR and schedule, at step 3
 
 
-def test_steps_below_the_checkpoint_are_refused(checkpointed):
-    with pytest.raises(UserError, match=r"^train.steps=1: the checkpoint to resume is at step 2"):
-        train_here(checkpointed, *RUN, "train.steps=1")
+def test_steps_below_the_checkpoint_are_refused(checkpointed, caplog):
+    with caplog.at_level("INFO", logger="membudget"), \
+            pytest.raises(UserError, match=r"^train.steps=1: the checkpoint to resume is at step 2"):
+        train_here(checkpointed, *RUN, "train.steps=1", "optimizer.lr=1e-3")
+    # refused: no change is announced as taking effect (issue 25 item 5)
+    assert not [r for r in caplog.records if "takes effect now" in r.getMessage()]
 
 
 # --- a fresh start over an old run ------------------------------------------------------------------------------

@@ -61,6 +61,19 @@ def test_one_setting_is_written_as_plan_json_and_md(tmp_path):
     assert "reserved peak (default allocator)" in text and "tokens/s per device" in text
 
 
+@pytest.mark.slow
+def test_a_plan_of_a_run_with_the_profile_estimator_says_it_assumed_flops(tmp_path):
+    from membudget.plan.cli import run
+    from membudget.plan.report import plan_markdown
+
+    result = run(compose_cfg(*SMALL, "ac=memory_budget", "ac.memory_budget=0.5", "ac.runtime_estimator=profile",
+                             "train.device=cuda"), tmp_path)
+    assert result["setting"]["runtime_estimator"] == "profile"
+    said = "Recompute chosen as with ac.runtime_estimator=flops: the run's profile times each op on the GPU"
+    assert said in (tmp_path / "plan.md").read_text()
+    assert "ac.runtime_estimator" not in plan_markdown(plan())  # a flops run's plan: nothing to say
+
+
 def test_auto_says_what_would_fit_when_no_budget_does():
     plans = [plan(f"memory_budget {b}", b, verdict="does not fit") for b in SWEEP_BUDGETS]
     plans.append(plan("full", None, verdict="does not fit"))

@@ -8,12 +8,13 @@ import pytest
 from membudget.errors import UserError
 from membudget.plan import choose
 from membudget.plan.allocator import CachingAllocator, round_size, segment_size
-from membudget.plan.devices import GPUS, assumed_device, expandable_segments
+from membudget.devices import GPUS
+from membudget.plan.devices import assumed_device, expandable_segments
 from membudget.plan.measure import probe_depth
 from membudget.plan.replay import Layout, Moment
 from membudget.plan.report import non_monotonic, plan_markdown, sweep_markdown
 from membudget.plan.result import DOES_NOT_FIT, FITS, TIGHT, Plan, Setting, size
-from membudget.plan.timing import StepTime, collective_seconds, op_seconds, step_time
+from membudget.plan.timing import StepTime, step_time
 from membudget.plan.trace import Collective, Op
 from membudget.schema import PlanConfig
 
@@ -130,30 +131,12 @@ H100 = GPUS["H100"]
 DEGREES = {"dp_replicate": 1, "dp_shard": 16, "tp": 1}
 
 
-def test_an_op_costs_its_flops_at_peak_or_its_bytes_at_hbm_bandwidth_whichever_is_longer():
-    matmul = Op("aten.mm", flops=2 * 8192 * 4096 * 4096, nbytes=2 * 3 * 8192 * 4096, low_precision=True)
-    assert op_seconds(matmul, H100) == pytest.approx(matmul.flops / 989e12)
-    add = Op("aten.add", flops=0, nbytes=3 * 2 * 8192 * 4096, low_precision=True)
-    assert op_seconds(add, H100) == pytest.approx(add.nbytes / 3.35e12)
-    fp32 = dataclasses.replace(matmul, low_precision=False)
-    assert op_seconds(fp32, H100) == pytest.approx(matmul.flops / 67e12)
-
-
-def test_collectives_move_their_ring_share_over_nvlink_or_the_network():
-    gather = Collective("all_gather", GiB, 8, "dp_shard")
-    assert collective_seconds(gather, H100, {"dp_replicate": 1, "dp_shard": 8, "tp": 1}) == pytest.approx(
-        7 / 8 * GiB / 450e9)
-    across = Collective("all_gather", GiB, 16, "dp_shard")  # 16 ranks: two nodes
-    assert collective_seconds(across, H100, DEGREES) == pytest.approx(15 / 16 * GiB / 50e9)
-    reduce = Collective("all_reduce", GiB, 16, "dp_shard")
-    assert collective_seconds(reduce, H100, DEGREES) == pytest.approx(2 * 15 / 16 * GiB / 50e9)
-
-
 def _phase(kind, compute_s, comm=()):
     from membudget.plan.replay import Phase
 
-    ops = [Op("aten.mm", int(compute_s * 989e12), 0, True)]
-    ops += [Op(f"c10d.{k}", 0, 0, True, Collective(k, int(s * 50e9 * 16 / 15), 16, "dp_shard")) for k, s in comm]
+    ops = [Op("aten.mm", int(compute_s * 989e12), 0, True)]  # priced at the peak: a memory-kind op's FLOPs
+    bus = 50e9 * H100.efficiency.nccl_bus_network
+    ops += [Op(f"c10d.{k}", 0, 0, True, Collective(k, int(s * bus * 16 / 15), 16, "dp_shard")) for k, s in comm]
     return Phase(kind, 2, 0, kind, ops=ops)
 
 
@@ -162,7 +145,9 @@ def test_fsdp_communication_hides_behind_compute_when_shorter_and_shows_when_lon
     hidden = [_phase("forward", 0.010, [("all_gather", 0.004)]) for _ in range(blocks)]
     hidden += [_phase("backward", 0.020, [("all_gather", 0.004), ("reduce_scatter", 0.008)]) for _ in range(blocks)]
     t = step_time(hidden, H100, DEGREES)
-    assert t.compute == pytest.approx(blocks * 0.030)
+    # compute overlapping NCCL's kernels loses their multiprocessors: at most their share slower
+    share = H100.efficiency.nccl_sm_share
+    assert blocks * 0.030 < t.compute <= blocks * 0.030 / (1 - share)
     assert t.exposed_communication < 0.015  # the first gather and the last reduce-scatter
     slow = [_phase(p.kind, 0.001, [(op.collective.kind, 0.010) for op in p.ops[1:]]) for p in hidden]
     t = step_time(slow, H100, DEGREES)

@@ -13,8 +13,11 @@ measurement:
 - cached segments are returned to CUDA only when a cudaMalloc fails (then one unsplit free segment large
   enough, else all unsplit free ones, and the request is retried) or on empty_cache;
 - with expandable_segments:True each stream and pool has one segment that grows by mapping pages (2 MiB for
-  the small pool, 20 MiB for the large) at its end; blocks split down to 512 bytes; under memory pressure free
-  whole pages are unmapped.
+  the small pool, 20 MiB for the large) at its end; blocks split down to 512 bytes; under memory pressure the
+  whole pages inside free blocks are unmapped (unmap_block): they become unmapped blocks, which merge with
+  unmapped neighbours only, and a request no free block holds maps pages again (find_expandable_block,
+  map_block): from the lowest unmapped block whose run of free and unmapped blocks, from the free block before
+  it, spans the request, else at the segment's end.
 `allocated` counts blocks as torch.cuda.memory_allocated does (the rounded, possibly unsplit block sizes).
 """
 
@@ -55,6 +58,7 @@ class _Block:
     free: bool = True
     prev: Optional["_Block"] = None
     next: Optional["_Block"] = None
+    mapped: bool = True  # False: pages of an expandable segment unmapped under pressure (free, in no free list)
 
     @property
     def address(self) -> int:
@@ -101,6 +105,7 @@ class CachingAllocator:
         self._live: dict[object, _Block] = {}
         self._segments: list[_Segment] = []
         self._grown: dict[tuple[int, bool], _Segment] = {}
+        self._unmapped: dict[tuple[int, bool], list[_Block]] = {}  # pool -> its unmapped blocks (none at the end)
         self._bases = itertools.count(1 << 40, 1 << 40)  # each segment has an address range of its own
 
     # --- the free lists ------------------------------------------------------------------------------------
@@ -128,14 +133,14 @@ class CachingAllocator:
         return self.reserved + nbytes <= self.capacity
 
     def _release(self, wanted: int) -> None:
-        if self.expandable:  # unmap every free whole page
-            for segment in self._segments:
-                page = _page(segment.pool)
-                for block in segment.blocks():
-                    if block.free:
-                        start, end = math.ceil(block.offset / page) * page, (block.offset + block.size) // page * page
-                        self.reserved -= max(0, end - start)
-                        segment.size -= max(0, end - start)
+        if self.expandable:  # unmap the whole pages inside every free block (release_cached_blocks)
+            for pool, entries in self._free.items():
+                page = _page(pool)
+                for *_, i in list(entries):
+                    block = self._by_id[i]
+                    start, end = math.ceil(block.offset / page) * page, (block.offset + block.size) // page * page
+                    if end > start:
+                        self._unmap(block, start, end)
             return
         unsplit = [s for s in self._segments if s.head.free and s.head.next is None]
         single = sorted((s for s in unsplit if s.size >= wanted), key=lambda s: s.size)[:1]
@@ -143,6 +148,29 @@ class CachingAllocator:
             self._remove(segment.head)
             self._segments.remove(segment)
             self.reserved -= segment.size
+
+    def _unmap(self, block: _Block, start: int, end: int) -> None:
+        """Unmap [start, end) (whole pages) of a free block; the mapped rest either side stays free blocks."""
+        self._remove(block)
+        segment = block.segment
+        if start > block.offset:
+            self._insert(self._split(block, start - block.offset, before=True))
+        if end < block.offset + block.size:
+            self._insert(self._split(block, end - block.offset))
+        block.mapped = False
+        segment.size -= end - start
+        self.reserved -= end - start
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and not neighbour.mapped:
+                self._unmapped[segment.pool].remove(neighbour)
+                block = self._merge(neighbour, block) if neighbour is block.prev else self._merge(block, neighbour)
+        if block.next is None:  # unmapped at the end: the segment's address range past its last block
+            if block.prev is None:
+                segment.head = None
+            else:
+                block.prev.next = None
+        else:
+            self._unmapped.setdefault(segment.pool, []).append(block)
 
     def _new_segment(self, pool: tuple[int, bool], nbytes: int) -> _Block:
         if not self._reserve(nbytes):
@@ -155,31 +183,108 @@ class CachingAllocator:
         return segment.head
 
     def _grow(self, pool: tuple[int, bool], size: int) -> _Block:
-        """Map pages at the end of the pool's expandable segment until its last free block holds `size`."""
+        """Map pages of the pool's expandable segment until a run of free blocks holds `size`: one free block."""
         segment = self._grown.get(pool)
         if segment is None:
             segment = self._grown[pool] = _Segment(next(self._bases), 0, pool)
             self._segments.append(segment)
-        tail = segment.head and segment.tail
-        end = tail.offset + tail.size if tail else 0
-        have = tail.size if tail is not None and tail.free else 0
-        page = _page(pool)
-        mapped = page * math.ceil((size - have) / page)
-        if not self._reserve(mapped):
-            self.ooms += 1
-        segment.size += mapped
-        self.reserved += mapped
+        first = self._candidate(segment, size)
+        needed = self._mapping(pool, first, size)
+        if self.capacity is not None and self.reserved + needed > self.capacity:
+            self.retries += 1
+            self._release(self.reserved + needed - self.capacity)
+            first = self._candidate(segment, size)  # the release unmapped free pages: look again
+            needed = self._mapping(pool, first, size)
+            if self.reserved + needed > self.capacity:
+                self.ooms += 1
+        page, run, total, block = _page(pool), [], 0, first
+        while total < size:
+            if block is None or not block.mapped:  # map pages at its start (or at the segment's end)
+                mapped = page * math.ceil((size - total) / page)
+                if block is None:
+                    tail = run[-1] if run else segment.head and segment.tail
+                    block = _Block(segment, tail.offset + tail.size if tail else 0, mapped, prev=tail)
+                    if tail is None:
+                        segment.head = block
+                    else:
+                        tail.next = block
+                else:
+                    self._unmapped[pool].remove(block)
+                    if mapped < block.size:
+                        self._unmapped[pool].append(self._split(block, mapped, mapped=False))
+                    block.mapped = True
+                segment.size += block.size
+                self.reserved += block.size
+            else:
+                self._remove(block)
+            run.append(block)
+            total += block.size
+            block = block.next
+        if block is not None and block.free and block.mapped:  # map_block merges a free block after the pages
+            self._remove(block)
+            run.append(block)
+        merged = run[0]
+        for block in run[1:]:
+            merged = self._merge(merged, block)
         self.peak_reserved = max(self.peak_reserved, self.reserved)
-        if have:
-            self._remove(tail)
-            tail.size += mapped
-            return tail
-        block = _Block(segment, end, mapped, prev=tail)
-        if tail is None:
-            segment.head = block
+        return merged
+
+    def _candidate(self, segment: _Segment, size: int) -> Optional[_Block]:
+        """Where `size` is mapped (find_expandable_block): the first block of a run of free and unmapped blocks
+        that spans it, from the lowest unmapped block (or the free one before it); None: the segment's end."""
+        for unmapped in sorted(self._unmapped.get(segment.pool, ()), key=lambda b: b.offset):
+            block = first = unmapped.prev if unmapped.prev is not None and unmapped.prev.free else unmapped
+            total = 0
+            while total < size and block is not None and block.free:
+                total += block.size
+                block = block.next
+            if total >= size or block is None:  # (past the last block: the unmapped end)
+                return first
+        tail = segment.head and segment.tail
+        return tail if tail is not None and tail.free else None
+
+    @staticmethod
+    def _mapping(pool: tuple[int, bool], first: Optional[_Block], size: int) -> int:
+        """Bytes `_grow` maps for `size` from `first`."""
+        page, total, needed, block = _page(pool), 0, 0, first
+        while total < size:
+            if block is None or not block.mapped:
+                mapped = page * math.ceil((size - total) / page)
+                if block is not None:
+                    mapped = min(mapped, block.size)
+                needed += mapped
+                total += mapped
+            else:
+                total += block.size
+            block = block and block.next
+        return needed
+
+    @staticmethod
+    def _split(block: _Block, size: int, before: bool = False, mapped: bool = True) -> _Block:
+        """Cut `block` after its first `size` bytes; the new block is the first part if `before`, else the rest."""
+        segment = block.segment
+        if before:
+            part = _Block(segment, block.offset, size, prev=block.prev, next=block, mapped=mapped)
+            if block.prev is None:
+                segment.head = part
+            else:
+                block.prev.next = part
+            block.prev, block.offset, block.size = part, block.offset + size, block.size - size
         else:
-            tail.next = block
-        return block
+            part = _Block(segment, block.offset + size, block.size - size, prev=block, next=block.next, mapped=mapped)
+            if block.next is not None:
+                block.next.prev = part
+            block.next, block.size = part, size
+        return part
+
+    @staticmethod
+    def _merge(first: _Block, second: _Block) -> _Block:
+        """`second` (which follows `first`) joins `first`."""
+        first.size += second.size
+        first.next = second.next
+        if second.next is not None:
+            second.next.prev = first
+        return first
 
     # --- malloc and free -----------------------------------------------------------------------------------
     def malloc(self, key, nbytes: int, stream: int = 0) -> None:
@@ -194,11 +299,7 @@ class CachingAllocator:
             block = self._new_segment(pool, segment_size(size))
         rest = block.size - size
         if rest >= MIN_BLOCK if (pool[1] or self.expandable) else rest > SMALL_SIZE:
-            tail = _Block(block.segment, block.offset + size, rest, prev=block, next=block.next)
-            if block.next is not None:
-                block.next.prev = tail
-            block.next, block.size = tail, size
-            self._insert(tail)
+            self._insert(self._split(block, size))
         block.free = False
         self._live[key] = block
         self.allocated += block.size
@@ -209,14 +310,9 @@ class CachingAllocator:
         self.allocated -= block.size
         block.free = True
         for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.free:
+            if neighbour is not None and neighbour.free and neighbour.mapped:  # not with unmapped pages
                 self._remove(neighbour)
-                first, second = (neighbour, block) if neighbour is block.prev else (block, neighbour)
-                first.size += second.size
-                first.next = second.next
-                if second.next is not None:
-                    second.next.prev = first
-                block = first
+                block = self._merge(neighbour, block) if neighbour is block.prev else self._merge(block, neighbour)
         if block.prev is None:
             block.segment.head = block
         self._insert(block)

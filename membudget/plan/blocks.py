@@ -30,7 +30,7 @@ from typing import Optional
 
 from membudget.schema import compact_budgets
 
-from .result import UNCERTAINTY, Plan, size
+from .result import UNCERTAINTY, Plan, fits_within, size
 
 log = logging.getLogger("membudget")
 
@@ -92,7 +92,7 @@ def block_bytes(plan: Plan) -> int:
 
 def fits(plan_or_mix, target: int) -> bool:
     """The verdict "fits" against `target` (Planner._verdict's first test)."""
-    return plan_or_mix.judged_bytes <= target * (1 - UNCERTAINTY)
+    return fits_within(plan_or_mix.judged_bytes, target)
 
 
 def single_budgets(plans: list[Plan]) -> list[Plan]:

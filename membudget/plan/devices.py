@@ -1,53 +1,18 @@
-"""The device a plan is for, and why: its memory, peak FLOP/s, HBM and interconnect bandwidths, and the memory
-outside PyTorch's allocator (CUDA context, NCCL) as named terms.
-
-Figures are the vendors' data sheets (dense, without sparsity; fp32 without TF32, which torch's default matmul
-precision does not use). Memory is what torch.cuda reports as total_memory, a little under the data sheet's GB:
-the 80 GB parts report 79.1-79.2 GiB; the 96 GB H100 (HBM2e, torchtitan's benchmark machines) is scaled alike.
-"""
+"""The device a plan is for, and why (the GPUs themselves are membudget/devices.py's table), and the memory
+outside PyTorch's allocator (CUDA context, NCCL) as named terms."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import replace
 
 import torch
 
+from membudget.devices import GPUS, Device, by_cuda_name
 from membudget.errors import UserError
 
 GiB = 2**30
 MiB = 2**20
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    memory: int  # bytes the run can use on it
-    peak_flops: Optional[float] = None  # bf16/fp16 tensor cores, FLOP/s; None: no time model (a CPU)
-    peak_flops_fp32: Optional[float] = None
-    hbm_bandwidth: float = 0.0  # bytes/s
-    intra_node_bandwidth: float = 0.0  # NVLink, bytes/s each way per GPU
-    inter_node_bandwidth: float = 50e9  # 400 Gb/s InfiniBand/RoCE per GPU, the common H100/A100 cluster fabric
-    gpus_per_node: int = 8
-    capability: tuple[int, int] = (0, 0)
-    reason: str = ""  # why this device was assumed
-
-    @property
-    def is_gpu(self) -> bool:
-        return self.peak_flops is not None
-
-
-GPUS = {
-    "H100": Device("H100 80GB (SXM)", int(79.1 * GiB), 989e12, 67e12, 3.35e12, 450e9, capability=(9, 0)),
-    "H100-96GB": Device("H100 96GB HBM2e (SXM)", int(94.9 * GiB), 989e12, 67e12, 2.4e12, 450e9, capability=(9, 0)),
-    "H200": Device("H200 141GB (SXM)", int(139.8 * GiB), 989e12, 67e12, 4.8e12, 450e9, capability=(9, 0)),
-    "A100-80GB": Device("A100 80GB (SXM)", int(79.2 * GiB), 312e12, 19.5e12, 2.04e12, 300e9, capability=(8, 0)),
-    "A100-40GB": Device("A100 40GB (SXM)", int(39.4 * GiB), 312e12, 19.5e12, 1.56e12, 300e9, capability=(8, 0)),
-}
-# torch.cuda.get_device_name -> table entry (the visible GPU, plan.gpu=auto)
-_BY_CUDA_NAME = (("H200", "H200"), ("H100 80GB", "H100"), ("H100", "H100-96GB"), ("A100-SXM4-80GB", "A100-80GB"),
-                 ("A100 80GB", "A100-80GB"), ("A100", "A100-40GB"))
 
 # Device memory outside PyTorch's caching allocator, so not in max_memory_reserved. Named, not fitted:
 # - the CUDA context with its kernels: CUDA 12 loads modules lazily (CUDA_MODULE_LOADING=LAZY, torch's default),
@@ -78,7 +43,7 @@ def assumed_device(plan_cfg, target: str, local_ranks: int = 1) -> Device:
     elif str(plan_cfg.gpu).lower() == "auto":
         if torch.cuda.is_available():
             name = torch.cuda.get_device_name(0)
-            key = next((k for part, k in _BY_CUDA_NAME if part in name), None)
+            key = by_cuda_name(name)
             base = GPUS[key] if key else GPUS["H100"]
             device = replace(base, name=name, memory=torch.cuda.get_device_properties(0).total_memory,
                              capability=torch.cuda.get_device_capability(0),

@@ -5,9 +5,12 @@ trainer runs them."""
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
+
+from membudget.devices import FITTED, GPUS
 
 from .planner import Planner
 from .result import Plan
@@ -38,13 +41,21 @@ class Row:
     def modelled(self) -> bool:
         return self.fields["modelled"] == "yes"
 
+    @property
+    def fitted(self) -> bool:
+        """Whether a constant of its device entry was fitted to this row (membudget/devices.py FITTED): then it
+        is not evidence of the time model."""
+        return any(self.id in fitted.values() for fitted in FITTED.values())
+
     def overrides(self) -> list[str]:
         f = self.fields
-        gpus, batch = int(f["gpus"]), int(f["local_batch"])
-        ac = {"selective op": ["ac=selective", "ac.selective_option=op"], "full": ["ac=full"],
-              "none": ["ac=none"]}[f["ac"]]
-        return ["logger=none", *f["overrides"].split(), "parallelism=fsdp", f"plan.world_size={gpus}",
-                f"train.global_batch_size={batch * gpus}", f"train.seq_len={f['seq_len']}", f"plan.gpu={f['gpu']}",
+        tp, dp, batch = int(f.get("tp") or 1), int(f["dp_shard"]), int(f["local_batch"])
+        mode, _, option = f["ac"].partition(" ")
+        ac = [f"ac={mode}"] + ([f"ac.selective_option={option}"] if option else [])
+        layout = (["parallelism=fsdp_tp", f"parallelism.dp_shard={dp}", f"parallelism.tp={tp}"] if tp > 1
+                  else ["parallelism=fsdp"])
+        return ["logger=none", *f["overrides"].split(), *layout, f"plan.world_size={f['gpus']}",
+                f"train.global_batch_size={batch * dp}", f"train.seq_len={f['seq_len']}", f"plan.gpu={f['gpu']}",
                 "plan.margin_gib=0", f"plan.expandable_segments={str(f['allocator'] == 'expandable').lower()}",
                 f"compile.enabled={str(f['compile'] == 'yes').lower()}", *ac]
 
@@ -63,3 +74,82 @@ def plan_row(row: Row, compose) -> Plan:
 
 def error(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured
+
+
+@contextmanager
+def device_entry(key: str, **changes):
+    """The device table's entry `key` with `changes`, for the plans made inside (fitting a constant)."""
+    saved = GPUS[key]
+    GPUS[key] = replace(saved, **changes)
+    try:
+        yield
+    finally:
+        GPUS[key] = saved
+
+
+def fit_compute_scale(row: Row, compose) -> float:
+    """The compute_scale of the row's device entry at which the row's predicted tokens/s equals the measured: a
+    compute-bound step takes a + b / compute_scale seconds, so two plans give a and b; a third checks it."""
+    key = row.fields["gpu"]
+    seconds = {}
+    for scale in (1.0, 0.5):
+        with device_entry(key, compute_scale=scale):
+            seconds[scale] = plan_row(row, compose).step_seconds
+    b = (seconds[0.5] - seconds[1.0])  # a + 2b - (a + b)
+    a = seconds[1.0] - b
+    tokens = plan_row(row, compose).tokens_per_step
+    target = tokens / (row.measured_speed * int(row.fields["gpus"]))
+    return b / (target - a)
+
+
+# Two measured settings whose speeds differ by less than this are not ranked (within the run-to-run noise)
+RANKED_GAP = 0.05
+# What a row's configuration is beyond its AC setting and compile: rows that share it can be ranked
+_SAME_RUN = ("model", "overrides", "gpu", "gpus", "dp_shard", "tp", "local_batch", "seq_len", "float8")
+
+
+def timed(all_rows: list[Row]) -> list[Row]:
+    """The rows whose tokens/s the planner predicts: modelled, with a measured speed."""
+    return [r for r in all_rows if r.modelled and r.measured_speed]
+
+
+def ranked_pairs(all_rows: list[Row]) -> list[tuple[Row, Row]]:
+    """(faster, slower) pairs of timed rows of one run that differ only in AC setting or compile, and whose
+    measured speeds differ by at least RANKED_GAP."""
+    rows_ = timed(all_rows)
+    pairs = []
+    for i, a in enumerate(rows_):
+        for b in rows_[i + 1:]:
+            if all(a.fields.get(k) == b.fields.get(k) for k in _SAME_RUN):
+                fast, slow = (a, b) if a.measured_speed > b.measured_speed else (b, a)
+                if fast.measured_speed >= (1 + RANKED_GAP) * slow.measured_speed:
+                    pairs.append((fast, slow))
+    return pairs
+
+
+@dataclass
+class SpeedSummary:
+    held_out: list[tuple[str, float]]  # (row id, error of predicted tokens/s)
+    fitted: list[tuple[str, float]]
+
+    @property
+    def mean(self) -> float:
+        return sum(abs(e) for _, e in self.held_out) / len(self.held_out)
+
+    @property
+    def worst(self) -> tuple[str, float]:
+        return max(self.held_out, key=lambda item: abs(item[1]))
+
+    def line(self) -> str:
+        worst = self.worst
+        return (f"held-out rows: {len(self.held_out)}, mean |error| {self.mean:.1%}, worst {worst[1]:+.1%} "
+                f"({worst[0]}); fitted rows (not evidence): {', '.join(r for r, _ in self.fitted)}")
+
+
+def speed_summary(all_rows: list[Row], plans: dict[str, Plan]) -> SpeedSummary:
+    """Each timed row's error of predicted tokens/s per GPU, split into held-out and fitted rows."""
+    held, fitted = [], []
+    for row in timed(all_rows):
+        e = error(plans[row.id].tokens_per_s_per_device, row.measured_speed)
+        (fitted if row.fitted else held).append((row.id, e))
+    return SpeedSummary(held, fitted)

@@ -18,7 +18,6 @@ inductor's decompositions and the same min-cut partitioner under the same budget
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Iterator, Optional
 from unittest import mock
 
@@ -33,25 +32,22 @@ from membudget.errors import UserError
 from membudget.internals import (
     FakeTensorMode,
     cached_dtensor_sharding_propagation,
+    decomposing_partitioning_backend,
     register_fake_process_group,
     storage_key,
 )
 from membudget.launch import Launch
 from membudget.metrics import ActivationCounter, local_tensor
-from membudget.parallel import build_mesh, clip_grad_norm, gradient_sync
+from membudget.parallel import build_mesh, clip_grad_norm, gradient_sync, mesh_size
 from membudget.rules import compile_enabled
-from membudget.schema import ACMode
+from membudget.schema import ACMode, CompileBackend
 from membudget.step import Numerics, build_optimizer, build_parallel_model, forward_backward
 
-from .record import Recorder
-from .trace import Alloc, Segment
+from .record import Recorder, fused_graph
+from .trace import ACTIVATIONS, COMMUNICATION, GRADIENTS, Alloc, OptimizerRun, Probe, Run
 
 aten = torch.ops.aten
 
-# Categories of what a step holds, in the order reports list them
-PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, COMMUNICATION, TEMPORARIES = (
-    "parameters", "gradients", "optimizer states", "activations", "communication buffers", "temporaries")
-CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, COMMUNICATION, TEMPORARIES)
 
 
 @contextlib.contextmanager
@@ -95,6 +91,57 @@ def cuda_attention(numerics: Numerics) -> Iterator[None]:
         yield
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """aten._fused_rms_norm with the autograd formula CUDA runs it under (derivatives.yaml: it saves the input,
+    the weight and the inverse RMS, and calls _fused_rms_norm_backward). On the CPU the op has no kernel and
+    rms_norm_composite runs op by op under autograd, which also saves the fp32 normalised input (x * rstd) for
+    the product with the weight: one more fp32 activation per norm than the GPU keeps."""
+
+    @staticmethod
+    def forward(ctx, x, weight, normalized_shape, eps):
+        with torch._C._AutoDispatchBelowAutograd():  # the op itself (its fake kernel), not its CPU composite
+            out, rstd = aten._fused_rms_norm(x, normalized_shape, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.normalized_shape = normalized_shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
+        dx, dw = aten._fused_rms_norm_backward(grad, x, ctx.normalized_shape, rstd, weight, mask)
+        return dx, dw, None, None
+
+
+@contextlib.contextmanager
+def cuda_norm(numerics: Numerics) -> Iterator[None]:
+    """F.rms_norm as CUDA runs it in eager: rms_norm (layer_norm.cpp: rms_norm_symint) calls
+    at::_fused_rms_norm whenever the weight's dtype is the input's (the model's norm passes both in fp32), whose
+    CUDA kernel runs under the formula _FusedRMSNorm reproduces. Compiled graphs keep the composite: the
+    compiler decomposes the op (torch/_decomp: _fused_rms_norm) and its partitioner decides what is saved."""
+    if numerics.target != "cuda":
+        yield
+        return
+    composite = F.rms_norm
+
+    def fused(input, normalized_shape, weight=None, eps=None):
+        if torch.compiler.is_compiling() or (weight is not None and weight.dtype != input.dtype):
+            return composite(input, normalized_shape, weight, eps)
+        return _FusedRMSNorm.apply(input, weight, list(normalized_shape), eps)
+
+    with mock.patch.object(F, "rms_norm", fused):
+        yield
+
+
+def planning_backend(cfg):
+    """How the probe compiles: inductor as aot_eager_decomp_partition (the same decompositions, partitioner and
+    budget, without code generation), each graph call marked for the time model to price as fused kernels;
+    None (compile.backend as configured) otherwise."""
+    if compile_enabled(cfg) and cfg.compile.backend == CompileBackend.inductor:
+        return decomposing_partitioning_backend(fused_graph)
+    return None
+
+
 class _KeptActivations(ActivationCounter):
     """ActivationCounter that also hands the storages it counted to the recorder before releasing them."""
 
@@ -105,30 +152,6 @@ class _KeptActivations(ActivationCounter):
         if self.recorder is not None:
             self.kept = {self.recorder.key_of(s) for s, _ in self._storages.values()} - {None}
         super().release()
-
-
-@dataclass
-class Run:
-    """One recorded micro-batch of a probe."""
-
-    segments: dict[str, Segment]
-    categories: dict[int, str]  # allocation key -> category (the rest are temporaries)
-    activations: int  # training's activation_bytes
-    per_block: dict  # activation bytes by probe block (None: outside the blocks)
-
-
-@dataclass
-class Probe:
-    depth: int
-    period: int
-    first: Run  # a step's first micro-batch: from no gradients
-    accumulate: Optional[Run]  # a later micro-batch, adding to the gradients
-    parameters: list[int]  # storage bytes of this rank's parameters: outside the blocks, then one block's
-    block_parameters: list[int]
-    buffers: list[int]
-    shards: dict[str, list[tuple[torch.Size, torch.dtype]]]  # this rank's parameter shapes: "outside", "block"
-    full_sizes: list[int]  # bytes of each parameter at full size in fp32 (the largest is the CPU init transient)
-    sharded: bool  # parameters are DTensors
 
 
 def block_kinds(cfg, n_layers: int) -> list[tuple]:
@@ -186,7 +209,8 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
     """Record the probe's micro-batches (see the module docstring)."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     # the device tells FSDP2 whether to train in mixed precision, as on the GPU
-    model = build_parallel_model(cfg, mesh, torch.device(numerics.target), n_layers=depth)
+    model = build_parallel_model(cfg, mesh, torch.device(numerics.target), n_layers=depth,
+                                 compile_backend=planning_backend(cfg))
     model.use_attention_kernels(numerics.expand_kv)
     with fake:
         model.to_empty(device="cpu")
@@ -197,14 +221,14 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
     outside = [p for p in model.parameters() if id(p) not in in_blocks]
     # Eager DTensor caches the shapes it derives by running ops on whole-size fake tensors (loss_parallel asks
     # for them); under a fake mode it would redo that in every step, and the recorder would count it.
-    with fake, cached_dtensor_sharding_propagation(), cuda_attention(numerics):
+    with fake, cached_dtensor_sharding_propagation(), cuda_attention(numerics), cuda_norm(numerics):
         tokens = torch.randint(cfg.model.vocab_size, (micro_batch, cfg.train.seq_len + 1))
         # contiguous copies, as the trainer's batches (data.py): a saved label is a storage of seq_len tokens
-        step = (model, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), counter, numerics.context("cpu"))
+        step = (model, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), counter)
         # The warm-up compiles at the step's shapes and fills DTensor's caches for them; else (FSDP2's lazy
         # initialisation) a short sequence does
-        shaped = compile_enabled(cfg) or (mesh is not None and mesh["tp"].size() > 1)
-        forward_backward(*(step if shaped else (model, tokens[:1, :8], tokens[:1, 1:9], *step[3:])))
+        shaped = compile_enabled(cfg) or mesh_size(mesh, "tp") > 1
+        forward_backward(*(step if shaped else (model, tokens[:1, :8], tokens[:1, 1:9], counter)), numerics)
         model.zero_grad(set_to_none=True)
         recorder = Recorder(group_names)
         counter.recorder = recorder
@@ -214,7 +238,8 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
             for last in ([n_micro == 1] if n_micro == 1 else [False, True]):
                 recorder.start()
                 with gradient_sync(model, mesh, last=last):
-                    nbytes = forward_backward(*step)[1]  # the loss dies here, as the trainer's does by the next step
+                    # the loss dies here, as the trainer's does by the next step
+                    nbytes = forward_backward(*step, numerics)[1]
                 runs.append(_run(recorder, counter, model, nbytes))
             recorder.stop()
         for handle in handles:
@@ -249,14 +274,6 @@ def _run(recorder: Recorder, counter: _KeptActivations, model, activation_bytes:
         else:
             segments[segment.name] = segment
     return Run(segments, categories, activation_bytes, dict(counter.last_per_block))
-
-
-@dataclass
-class OptimizerRun:
-    first: Segment  # gradient clipping and AdamW's first step: it allocates the states
-    steady: Segment
-    state_keys: set  # the first segment's allocations that are optimizer states
-    state_bytes: int
 
 
 def run_optimizer(cfg, shards: list[tuple[torch.Size, torch.dtype]], numerics: Numerics) -> OptimizerRun:

@@ -18,15 +18,14 @@ from membudget.step import Numerics, StepShape
 from .allocator import CachingAllocator
 from .blocks import choose_mix
 from .devices import CUDA_CONTEXT, NCCL_PER_COMMUNICATOR, assumed_device, expandable_segments
-from .measure import GRADIENTS, OptimizerRun, fake_world, probe_shape, run_optimizer, run_probe
+from .measure import fake_world, probe_shape, run_optimizer, run_probe
 from .replay import Layout, Memory, consistent, simulate, two_steps
-from .result import DOES_NOT_FIT, FITS, NO_LIMIT, TIGHT, UNCERTAINTY, BlockCost, Plan, Setting, size
-from .timing import op_seconds, step_time
+from .result import DOES_NOT_FIT, FITS, NO_LIMIT, TIGHT, UNCERTAINTY, BlockCost, Plan, Setting, fits_within, size
+from .timing import cost, step_time
+from .trace import GRADIENTS, OptimizerRun
 
 log = logging.getLogger("membudget")
 GiB = 2**30
-_OPTIMIZER_RUNS: dict = {}  # this rank's shards and the optimizer settings -> OptimizerRun
-_REFERENCES: dict = {}  # the run without AC -> its forward and backward FLOPs per step
 
 
 def resolve_world_size(cfg, world_size: Optional[int]) -> int:
@@ -54,6 +53,8 @@ class Planner:
         self.device = assumed_device(cfg.plan, target, local_ranks=self.world_size)  # CPU ranks share one host
         self.numerics = Numerics.for_target(cfg, target, self.device.capability)
         self.expandable = expandable_segments(cfg.plan)
+        self._optimizer_runs: dict = {}  # this rank's shards and the optimizer settings -> OptimizerRun
+        self._references: dict = {}  # the run without AC -> its forward and backward FLOPs per step
         target_gib = cfg.ac.target_memory_gib
         if target_gib is not None:
             self.limit: Optional[int] = int(target_gib * GiB)
@@ -86,8 +87,6 @@ class Planner:
             validate(cfg, self.world_size)
         cfg.ac.visualize_pareto = False
         cfg.ac.runtime_estimator = RuntimeEstimator.flops  # "profile" times kernels, which fake tensors cannot run
-        if compile_enabled(cfg) and cfg.compile.backend == CompileBackend.inductor:
-            cfg.compile.backend = CompileBackend.aot_eager_decomp_partition
         return cfg
 
     # --- measurement ---------------------------------------------------------------------------------------
@@ -108,14 +107,14 @@ class Planner:
         n = cfg.model.n_layers
         shards = probe.shards["outside"][:1] + probe.shards["block"] * n + probe.shards["outside"][1:]
         key = (tuple(shards), self.numerics.target, repr(cfg.optimizer), cfg.train.max_grad_norm)
-        if key not in _OPTIMIZER_RUNS:
-            _OPTIMIZER_RUNS[key] = run_optimizer(cfg, shards, self.numerics)
-        return _OPTIMIZER_RUNS[key]
+        if key not in self._optimizer_runs:
+            self._optimizer_runs[key] = run_optimizer(cfg, shards, self.numerics)
+        return self._optimizer_runs[key]
 
     def reference(self) -> dict[str, float]:
         """The step's FLOPs without AC and without compile: what recompute is counted against."""
         key = (repr(self.cfg.model), repr(self.cfg.train), self.world_size, repr(self.degrees), self.numerics)
-        if key not in _REFERENCES:
+        if key not in self._references:
             cfg = self.point("none")
             cfg.compile.enabled = False
             with compiler_scope(cfg.ac):
@@ -125,8 +124,8 @@ class Planner:
                 segment = probe.first.segments.get(layout.segment_name(kind, j))
                 if segment is not None:
                     flops["backward" if kind in ("output backward", "backward") else "forward"] += segment.flops
-            _REFERENCES[key] = {k: self.shape.n_micro * v for k, v in flops.items()}
-        return _REFERENCES[key]
+            self._references[key] = {k: self.shape.n_micro * v for k, v in flops.items()}
+        return self._references[key]
 
     # --- one plan ------------------------------------------------------------------------------------------
     def plan(self, cfg, label: Optional[str] = None, recompute: bool = True) -> Plan:
@@ -208,7 +207,7 @@ class Planner:
             return NO_LIMIT, "no memory limit known: set ac.target_memory_gib", need
         limit = self.limit
         needs = f"needs {size(need)} of {size(limit)}"
-        if need <= limit * (1 - UNCERTAINTY):
+        if fits_within(need, limit):
             return FITS, needs, need
         if reserved is None:
             if need <= limit:
@@ -231,8 +230,7 @@ class Planner:
             fwd, bwd = segments.get(f"forward {b}"), segments.get(f"backward {b}")
             if fwd is None or bwd is None:
                 continue
-            seconds = (lambda s: sum(op_seconds(op, self.device) for op in s.ops if op.collective is None)
-                       if self.device.is_gpu else None)
+            seconds = (lambda s: cost(s.ops, self.device, self.degrees).gpu) if self.device.is_gpu else (lambda s: None)
             costs.append(BlockCost(b, probe.first.per_block.get(b, 0), fwd.flops, bwd.flops, seconds(fwd),
                                    seconds(bwd)))
         return costs
@@ -244,8 +242,9 @@ class Planner:
             micro_batch=self.shape.micro_batch, grad_accumulation=self.shape.n_micro,
             dtype="bf16 autocast" if self.numerics.bf16 else "fp32", attention=self.numerics.attention,
             compile=compiled, configured_backend=str(self.cfg.compile.backend),
-            planned_backend=str(cfg.compile.backend) if compiled else None,
-            allocator="expandable segments" if self.expandable else "default")
+            planned_backend=str(CompileBackend.aot_eager_decomp_partition) if compiled else None,
+            allocator="expandable segments" if self.expandable else "default",
+            runtime_estimator=str(self.cfg.ac.runtime_estimator))
 
 
 def _budget_value(ac):

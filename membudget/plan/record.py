@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from membudget.internals import TorchDispatchMode, op_packet, op_schema, storage_key, tree_leaves
 
-from .trace import Alloc, Collective, Event, Free, FreeCarried, Op, Segment
+from .trace import ATTENTION, FALLBACK, GEMM, MEMORY, VIEW, Alloc, Collective, Event, Free, FreeCarried, Op, Segment
 
 aten = torch.ops.aten
 # torch's formulas, plus CPU's flash attention (same arguments first), so CPU plans count attention too
@@ -37,6 +37,10 @@ _NO_DATA = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strid
 _CAUSAL = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
            aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_efficient_attention_backward,
            aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward}
+_GEMMS = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.bmm: (0, 1), aten.baddbmm: (1, 2), aten._scaled_mm: (0, 1)}
+_ATTENTION = _CAUSAL | {aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward}
+# Recorders inside `tracking()`: compiled graphs (`compiled_graph`) report their calls to them
+_TRACKING: list["Recorder"] = []
 _COLLECTIVES = {  # op name (without namespace) -> kind
     "all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather", "allgather_": "all_gather",
     "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
@@ -75,6 +79,8 @@ class Recorder(TorchDispatchMode):
         self._next_key = 0
         self._streams = {id(torch.cpu.current_stream()): 0}  # the default stream is 0
         self.communication: set[int] = set()  # keys allocated by collectives, FSDP2's copies and its resizes
+        self.region: Optional[int] = None  # the fused graph call running now
+        self._regions = 0
         self.mark("before")
 
     # --- segments ------------------------------------------------------------------------------------------
@@ -142,8 +148,30 @@ class Recorder(TorchDispatchMode):
             resize(storage, nbytes)
             self._resize(storage, nbytes, communication=True)
 
-        with mock.patch.object(torch.UntypedStorage, "resize_", tracked_resize), self:
-            yield self
+        _TRACKING.append(self)
+        try:
+            with mock.patch.object(torch.UntypedStorage, "resize_", tracked_resize), self:
+                yield self
+        finally:
+            _TRACKING.remove(self)
+
+    # --- compiled graphs -----------------------------------------------------------------------------------
+    def _ident(self, t: torch.Tensor) -> int:
+        """An allocation's key while it lives (storages from before recording: their address, negated)."""
+        storage = t.untyped_storage()
+        entry = self._keys.get(storage)
+        return entry[0] if entry is not None and entry[1] else -storage_key(storage)
+
+    def _enter_graph(self) -> None:
+        self._regions += 1
+        self.region = self._regions
+
+    def _exit_graph(self, outputs) -> None:
+        """A graph's outputs outlive its last kernel: a marker op that reads them closes the region."""
+        if self.recording and self.region is not None:
+            reads = tuple((self._ident(t), t.numel() * t.element_size()) for t in _tensors(outputs))
+            self.segments[-1].ops.append(Op("graph outputs", 0, 0, False, kind=VIEW, region=self.region, reads=reads))
+        self.region = None
 
     # --- ops -----------------------------------------------------------------------------------------------
     def _collective(self, func, args, out) -> Optional[Collective]:
@@ -183,8 +211,12 @@ class Recorder(TorchDispatchMode):
             if storage_key(storage) not in input_storages and storage not in self._keys:
                 new.append(t)
                 self._resize(storage, storage.nbytes(), communication)
-        if self.recording and op_schema(func) is not None:
-            self._record_op(func, args, kwargs, out, inputs, new)
+        if self.recording:
+            op, op_args, op_out = _rng_wrapped(func, args, out) or (func, args, out)
+            if op is not func:  # priced as the op it runs; its outputs were counted above
+                inputs = _tensors((op_args, kwargs))
+            if op_schema(op) is not None:
+                self._record_op(op, op_args, kwargs, op_out, inputs, new)
         return out
 
     def _record_op(self, func, args, kwargs, out, inputs, new) -> None:
@@ -194,12 +226,86 @@ class Recorder(TorchDispatchMode):
         if packet in _CAUSAL and _causal(func, args, kwargs):
             flops //= 2  # the kernels skip the masked half of the scores; torch's formula counts the square
         outputs = _tensors(out)
-        # what moves through HBM: the inputs and what is written (new outputs, or an in-place op's); views,
-        # metadata ops and bare allocations move nothing
-        written = new or (outputs if op_schema(func).is_mutable else [])
-        nbytes = 0 if packet in _NO_DATA or not written else sum(t.numel() * t.element_size() for t in inputs + written)
+        # what moves through HBM: the inputs and what is written (new outputs, or what a mutating op writes:
+        # its mutated arguments, also when it returns nothing, as AdamW's _foreach_*_ and FSDP2's copy-outs do);
+        # views, metadata ops and bare allocations move nothing
+        written = new or _mutated(func, args, kwargs)
+        out_args = {id(t) for t in _mutated(func, args, kwargs, outputs_only=True)}
+        inputs = [t for t in inputs if id(t) not in out_args]  # out= arguments are written, not read
+        nbytes = 0 if packet in _NO_DATA or not written else sum(_size(t) for t in inputs + written)
         low = bool(outputs) and outputs[0].dtype in (torch.bfloat16, torch.float16)
-        self.segments[-1].ops.append(Op(str(packet), int(flops), int(nbytes), low, self._collective(func, args, out)))
+        kind, shape = _kind_and_shape(packet, func, args, kwargs, low)
+        if not nbytes and kind == MEMORY:
+            kind = VIEW
+        elif kind == MEMORY and any(t.is_complex() for t in inputs + written):
+            kind = FALLBACK
+        region = reads = writes = None
+        if self.region is not None:
+            region = self.region
+            reads = tuple((self._ident(t), _size(t)) for t in inputs)
+            writes = tuple((self._ident(t), _size(t)) for t in written)
+        self.segments[-1].ops.append(Op(str(packet), int(flops), int(nbytes), low, self._collective(func, args, out),
+                                        kind, shape, region, reads or (), writes or ()))
+
+
+def _size(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _mutated(func, args, kwargs, outputs_only: bool = False) -> list[torch.Tensor]:
+    """The tensors an op writes in place: its arguments that its schema marks as written (`Tensor(a!)`); with
+    `outputs_only`, only its out= arguments (which it does not read)."""
+    schema = op_schema(func)
+    if schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write and (argument.is_out or not outputs_only):
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            written += _tensors(value)
+    return written
+
+
+def _rng_wrapped(func, args, out):
+    """(op, its args, its output) of the op a compiled graph runs inside run_and_save_rng_state (a forward's
+    random op under activation checkpointing: SDPA with its dropout) or run_with_rng_state (its recompute);
+    None for any other op."""
+    name = getattr(func, "__name__", "")
+    if name == "run_and_save_rng_state":
+        return args[0], args[1:], out[1]
+    if name == "run_with_rng_state":
+        return args[1], args[2:], out
+    return None
+
+
+def fused_graph(run):
+    """Wraps a compiled graph (boxed: `run(args)`) that inductor would compile, so that the recorders on now
+    record its ops as one region, whose pointwise ops the time model prices as fused kernels."""
+
+    def call(args):
+        for recorder in _TRACKING:
+            recorder._enter_graph()
+        out = None
+        try:
+            out = run(args)
+        finally:
+            for recorder in _TRACKING:
+                recorder._exit_graph(out)
+        return out
+
+    return call
+
+
+def _kind_and_shape(packet, func, args, kwargs, low: bool) -> tuple[str, tuple]:
+    if packet in _GEMMS:
+        a, b = (args[i] for i in _GEMMS[packet])
+        batch = a.shape[0] if a.dim() == 3 else 1
+        return GEMM, (batch, a.shape[-2], b.shape[-1], a.shape[-1])
+    if packet in _ATTENTION:
+        backward = "backward" in str(packet)
+        q = args[1 if backward else 0]
+        return ATTENTION, (q.shape[0], q.shape[1], q.shape[2], q.shape[3], _causal(func, args, kwargs), backward)
+    return MEMORY, ()
 
 
 def _causal(func, args, kwargs) -> bool:

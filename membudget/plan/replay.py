@@ -14,8 +14,21 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .allocator import CachingAllocator
-from .measure import ACTIVATIONS, CATEGORIES, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, OptimizerRun, Probe, Run
-from .trace import Alloc, Free, FreeCarried, Op
+from .trace import (
+    ACTIVATIONS,
+    CATEGORIES,
+    GRADIENTS,
+    OPTIMIZER,
+    PARAMETERS,
+    TEMPORARIES,
+    Alloc,
+    Free,
+    FreeCarried,
+    Op,
+    OptimizerRun,
+    Probe,
+    Run,
+)
 
 
 @dataclass
@@ -177,6 +190,19 @@ class Memory:
     unmatched_frees: int = 0
 
 
+def carried(live: dict, nbytes: int, ordinal: int):
+    """The leftover of an earlier micro-batch or step that a carried free releases: the oldest alive of its
+    size (not a parameter, gradient, optimizer state or activation). The probe's FreeCarried names its size
+    only, yet size suffices: (1) same-size leftovers are alike for every total and peak of allocated bytes;
+    (2) for the allocator model, the oldest is the one the probe freed, since every micro-batch replays the
+    same segments in the same order, so leftovers are made and freed in the same order (FSDP2's reduce
+    outputs kept for the next micro-batch, block by block). Seen so far (HSDP, DDP), the candidates also
+    share one stream and category, and choosing any other leaves every peak unchanged
+    (tests/test_plan_allocator.py)."""
+    return next((k for k, (n, c, when) in live.items() if n == nbytes and when < ordinal
+                 and c not in (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS)), None)
+
+
 def simulate(phases: list[Phase], allocator: Optional[CachingAllocator] = None) -> Memory:
     """Walk the replay's allocations and frees (through `allocator`, if given); the peaks and their moments."""
     live: dict = {}  # key -> (nbytes, category, when)
@@ -220,9 +246,8 @@ def simulate(phases: list[Phase], allocator: Optional[CachingAllocator] = None) 
                     release(event[1])
                 else:
                     unmatched += 1
-            elif tag == "c":  # the oldest matching leftover of an earlier micro-batch or step
-                key = next((k for k, (n, c, when) in live.items() if n == event[1] and when < ordinal
-                            and c not in (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS)), None)
+            elif tag == "c":
+                key = carried(live, event[1], ordinal)
                 if key is not None:
                     release(key)
             else:  # zero_grad(set_to_none=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .measure import CATEGORIES
+from .trace import CATEGORIES
 from .blocks import TargetChoice, cost, fits
 from .result import DOES_NOT_FIT, Plan, size
 
@@ -22,8 +22,18 @@ def _compile_words(plan: Plan) -> str:
         return "blocks not compiled (eager)"
     if s.planned_backend != s.configured_backend:
         return (f"blocks compiled with {s.configured_backend}, planned as {s.planned_backend} (the same "
-                f"decompositions, partitioner and budget, without code generation)")
+                f"decompositions, partitioner and budget, without code generation; its pointwise ops priced as "
+                f"the fused kernels {s.configured_backend} makes of them)")
     return f"blocks compiled with {s.planned_backend}"
+
+
+def _estimator_words(plan: Plan) -> str:
+    """What the plan assumed of the partitioner's runtime estimator, where it differs from the run's."""
+    if plan.ac_mode != "memory_budget" or plan.setting.runtime_estimator == "flops":
+        return ""
+    return (f" Recompute chosen as with ac.runtime_estimator=flops: the run's {plan.setting.runtime_estimator} "
+            f"times each op on the GPU, which a plan cannot, so it may recompute a different set; plan and "
+            f"train with flops to get what is planned.")
 
 
 def _verdict(plan: Plan) -> str:
@@ -50,7 +60,7 @@ def plan_markdown(plan: Plan) -> str:
         f"Device: {d.name} ({d.reason}). Each of {s.world_size} ranks alike (dp_replicate {s.dp_replicate}, "
         f"dp_shard {s.dp_shard}, tp {s.tp}; FSDP2 pads every shard to one size); micro-batch "
         f"{s.micro_batch} x {s.seq_len} tokens, {s.grad_accumulation} per step; {s.dtype}, {s.attention} attention; "
-        f"{_compile_words(plan)}; planned in {plan.seconds:.1f} s.",
+        f"{_compile_words(plan)}; planned in {plan.seconds:.1f} s.{_estimator_words(plan)}",
         "",
         "| memory per rank | | when |", "|---|---:|---|",
         *[f"| {name} | {size(value)} | {when} |" for name, value, when in rows],
@@ -76,9 +86,14 @@ def plan_markdown(plan: Plan) -> str:
         t = plan.time
         lines += [
             f"Predicted on {d.name}: {t.seconds:.3f} s a step, {plan.tokens_per_s_per_device:,.0f} tokens/s per "
-            f"device ({plan.tokens_per_s:,.0f} in all); compute {t.compute:.3f} s, FSDP communication "
-            f"{t.communication:.3f} s of which {t.exposed_communication:.3f} s exposed; recompute "
-            f"{plan.recompute_flops / 1e12:.4g} TFLOP ({plan.recompute_ratio:.0%} of the forward).",
+            f"device ({plan.tokens_per_s:,.0f} in all), **bound by {t.bound}**; the compute stream "
+            f"{t.compute:.3f} s (" + ", ".join(f"{kind} kernels {s:.3f} s" for kind, s in t.kernels.items() if s)
+            + (f", TP's collectives {t.tp_communication:.3f} s" if t.tp_communication else "")
+            + f"), the host {t.host:.3f} s to issue it, FSDP communication {t.communication:.3f} s of which "
+            f"{t.exposed_communication:.3f} s exposed"
+            + ("" if plan.recompute_flops is None else
+               f"; recompute {plan.recompute_flops / 1e12:.4g} TFLOP ({plan.recompute_ratio:.0%} of the forward)")
+            + ".",
             "",
         ]
     return "\n".join(lines)

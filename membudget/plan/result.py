@@ -7,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from .devices import Device
+from membudget.devices import Device
+
 from .replay import Moment
 from .timing import StepTime
 
@@ -16,6 +17,11 @@ GiB = 2**30
 # over the public measurements of programs the planner models (docs/planner/evidence.csv: 1.9 %;
 # tests/test_plan_evidence.py holds every such row within it). A peak within this of the limit is "tight".
 UNCERTAINTY = 0.05
+
+
+def fits_within(need: int, limit: int) -> bool:
+    """The verdict "fits": `need` at least the plan's uncertainty under `limit`."""
+    return need <= limit * (1 - UNCERTAINTY)
 
 FITS, TIGHT, DOES_NOT_FIT, NO_LIMIT = "fits", "tight", "does not fit", "no limit known"
 
@@ -48,6 +54,8 @@ class Setting:
     configured_backend: str
     planned_backend: Optional[str]
     allocator: str  # "default" | "expandable segments"
+    # ac.runtime_estimator as configured; plans always price recompute by FLOPs ("profile" times kernels)
+    runtime_estimator: str = "flops"
 
 
 @dataclass(frozen=True)
@@ -136,7 +144,8 @@ class Plan:
         """One line for the trainer's log."""
         where = f"{self.device.name} ({self.device.reason})"
         limit = "" if self.limit is None else f" of {size(self.limit)} ({self.limit_source})"
-        speed = "" if self.time is None else f", predicted {self.tokens_per_s_per_device:,.0f} tokens/s per device"
+        speed = "" if self.time is None else (f", predicted {self.tokens_per_s_per_device:,.0f} tokens/s per device "
+                                              f"(bound by {self.time.bound})")
         memory = f"reserved peak {size(self.reserved_peak)}" if self.reserved is not None else f"peak {size(self.peak)}"
         return f"planned {memory}{limit} per rank: {self.verdict}{speed}; {where}"
 

@@ -1,28 +1,40 @@
-"""Predicted step time: a roofline per op, communication per collective, and FSDP2's overlap of the two.
+"""Predicted step time: each op priced as the kernel the GPU runs for it, at the efficiency that kind of kernel
+achieves; inductor's fusion in compiled graphs; the host that issues the kernels; communication per collective;
+and FSDP2's overlap of the two.
 
-Per op, as torch.distributed._tools.runtime_estimator's roofline does: the larger of its FLOPs at the device's
-peak (bf16 tensor cores, or fp32) and its bytes read and written at HBM bandwidth; views and allocations cost
-nothing. Recompute is priced the same way, since it is ops in the backward. Each collective moves, per rank,
-(ranks - 1) / ranks of its buffer (twice for an all-reduce, as a ring does) over NVLink inside a node, else the
-inter-node fabric. TP's collectives block the compute stream. FSDP2's run on their own streams: a block's
-all-gather overlaps the previous block's compute (forward) or is prefetched one block ahead (backward), a
-block's reduce-scatter overlaps the next block's backward; one link carries them in issue order, and the
-optimizer step waits for the last reduce-scatter.
+Per kernel (the device's `Efficiency`, each figure's source in docs/planner/sources.md):
+- a GEMM at the achieved share of the tensor-core peak, less its wave quantisation (output tiles over the
+  multiprocessors: a last, partly filled wave costs a whole one) and a small-K penalty; never faster than its
+  bytes at HBM bandwidth;
+- attention (SDPA) at its kernel's achieved share in its direction, lower for short sequences;
+- every other op moves bytes: at the achieved share of HBM bandwidth, never under a per-kernel floor. In a graph
+  inductor compiles, the ops between two anchors (GEMMs, attention, collectives) are one kernel, charged only the
+  bytes that cross its boundary: what it reads from outside and what outlives it;
+- the host: an eager op costs dispatch and launch time, a compiled graph a call plus a launch per kernel; the
+  GPU cannot run ahead of the host that issues its work.
+Each collective moves, per rank, (ranks - 1) / ranks of its buffer (twice for an all-reduce, as a ring does) at
+NCCL's achieved bus bandwidth over NVLink inside a node, else the inter-node fabric, after a start-up latency.
+TP's collectives block the compute stream. FSDP2's run on their own streams: a block's all-gather overlaps the
+previous block's compute (forward) or is prefetched one block ahead (backward), a block's reduce-scatter overlaps
+the next block's backward; one link carries them in issue order, the optimizer step waits for the last
+reduce-scatter, and compute that overlaps them runs without the multiprocessors NCCL's kernels hold.
 
-Not modelled: kernel launch overhead and CPU-bound stretches, inductor's fusion (compiled blocks are priced op
-by op, as aot_eager runs them: an upper bound on their memory-bound time), and the all-reduce of DDP/HSDP
-replicas overlapping backward (it is counted as exposed).
+Not modelled: the all-reduce of DDP/HSDP replicas overlapping backward (it is counted as exposed), and inductor's
+choices beyond grouping (GEMM epilogue fusion, split reductions).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Optional
 
-from .devices import Device
-from .trace import Collective, Op
+from membudget.devices import Device
+
+from .trace import ATTENTION, FALLBACK, GEMM, VIEW, Collective, Op
 
 _FSDP_GROUPS = ("dp_shard", "dp_replicate")
+COMPUTE, FSDP_TRAFFIC, TP_TRAFFIC, HOST = "compute", "exposed FSDP traffic", "TP traffic", "host"
 
 
 @dataclass(frozen=True)
@@ -34,11 +46,181 @@ class StepTime:
     forward: float
     backward: float
     optimizer: float
+    host: float = 0.0  # the host's time to issue the step's work
+    tp_communication: float = 0.0  # TP's collectives, on the compute stream
+    kernels: dict = field(default_factory=dict)  # GPU seconds by kind of kernel: gemm, attention, memory, fused
+    bound: str = COMPUTE  # what bounds the step: compute, exposed FSDP traffic, TP traffic or host
+
+    @property
+    def host_stall(self) -> float:
+        """How long the GPU waited for the host to issue work."""
+        return max(0.0, self.seconds - self.compute - self.exposed_communication)
+
+
+# --- kernels -------------------------------------------------------------------------------------------------
+
+def gemm_efficiency(shape: tuple, device: Device) -> float:
+    """The share of the tensor-core peak a GEMM of (batch, M, N, K) achieves: the large-shape share, times the
+    filled share of its waves of output tiles, times K / (K + k_half)."""
+    e = device.efficiency
+    batch, m, n, k = shape
+    tiles = batch * math.ceil(m / e.gemm_tile[0]) * math.ceil(n / e.gemm_tile[1])
+    waves = math.ceil(tiles / device.sms) if device.sms else 1
+    filled = tiles / (waves * device.sms) if device.sms else 1.0
+    return e.gemm * filled * k / (k + e.gemm_k_half)
+
+
+def attention_efficiency(op: Op, device: Device) -> float:
+    _, _, seq, _, _, backward = op.shape
+    e = device.efficiency
+    kernel = next((k for k in e.attention if k in op.name), "flash")
+    forward_share, backward_share = e.attention[kernel]
+    return (backward_share if backward else forward_share) * seq / (seq + e.attention_s_half)
+
+
+def memory_seconds(nbytes: int, device: Device) -> float:
+    return max(nbytes / (device.hbm_bandwidth * device.efficiency.memory), device.efficiency.kernel_floor)
 
 
 def op_seconds(op: Op, device: Device) -> float:
-    peak = device.peak_flops if op.low_precision else device.peak_flops_fp32
-    return max(op.flops / peak, op.nbytes / device.hbm_bandwidth)
+    """GPU seconds of one op run as its own kernel (0 for views and allocations)."""
+    if op.kind == VIEW:
+        return 0.0
+    peak = (device.peak_flops if op.low_precision else device.peak_flops_fp32) * device.compute_scale
+    if op.kind == GEMM:
+        compute = op.flops / (peak * gemm_efficiency(op.shape, device))
+    elif op.kind == ATTENTION:
+        compute = op.flops / (peak * attention_efficiency(op, device))
+    else:
+        compute = op.flops / peak
+    return max(compute, memory_seconds(op.nbytes, device))
+
+
+def fused_kernels(graph: list[Op]) -> list[list[Op]]:
+    """The kernels inductor makes of one compiled graph call's ops, in order of their first op: each anchor
+    (GEMM, attention, collective, fallback) its own; memory-bound ops joined with their producers and consumers
+    among the memory-bound ops, across anchors that do not depend on them (inductor schedules by dependency, not
+    by program order), unless that would make a kernel both feed and wait for one anchor. Views are free."""
+    producer: dict[int, int] = {}  # allocation -> index of the op that wrote it
+    parent = list(range(len(graph)))
+    anchors_up = [set() for _ in graph]  # anchors each op depends on, transitively
+    anchors_down = [set() for _ in graph]  # of a group's root: anchors that depend on the group
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    fusable = [op.kind not in (GEMM, ATTENTION, VIEW, FALLBACK) and op.collective is None for op in graph]
+    for i, op in enumerate(graph):
+        sources = {producer[key] for key, _ in op.reads if key in producer}
+        for j in sources:
+            anchors_up[i] |= anchors_up[j] | ({j} if not fusable[j] and graph[j].kind != VIEW else set())
+        if not fusable[i]:
+            if op.kind != VIEW:  # an anchor: every group it reads from feeds it
+                for j in sources:
+                    if fusable[j]:
+                        anchors_down[root(j)].add(i)
+        else:
+            for j in sorted(sources):
+                if fusable[j]:
+                    a, b = root(j), root(i)
+                    if a != b and not (anchors_down[a] & (anchors_up[i] | anchors_up[b])):
+                        parent[b] = a
+                        anchors_down[a] |= anchors_down[b]
+                        anchors_up[a] |= anchors_up[b]
+            anchors_up[root(i)] |= anchors_up[i]
+        for key, _ in op.writes:
+            producer[key] = i
+        if op.kind == VIEW:  # a view's output is its input's allocation: no new producer
+            continue
+    groups: dict[int, list[Op]] = {}
+    for i, op in enumerate(graph):
+        if op.kind == VIEW and op.collective is None:
+            continue
+        groups.setdefault(root(i) if fusable[i] else -1 - i, []).append(op)
+    return sorted(groups.values(), key=lambda ops: graph.index(ops[0]))
+
+
+def fused_bytes(group: list[Op], graph: list[Op]) -> int:
+    """Bytes a fused kernel moves: what it reads that it did not write, and what it writes that another op of
+    its graph reads (or the graph returns)."""
+    members = {id(op) for op in group}
+    written = {key for op in group for key, _ in op.writes}
+    reads: dict[int, int] = {}
+    for op in group:
+        for key, nbytes in op.reads:
+            if key not in written:
+                reads[key] = max(reads.get(key, 0), nbytes)
+    read_outside = {key for op in graph if id(op) not in members for key, _ in op.reads}
+    outputs: dict[int, int] = {}
+    for op in group:
+        for key, nbytes in op.writes:
+            if key in read_outside:
+                outputs[key] = max(outputs.get(key, 0), nbytes)
+    return sum(reads.values()) + sum(outputs.values())
+
+
+@dataclass
+class Cost:
+    """What a run of ops costs: the compute stream's GPU seconds, the host's seconds to issue them, GPU seconds by
+    kind of kernel, and the FSDP2 collectives among them (kind, seconds) in issue order."""
+
+    gpu: float = 0.0
+    host: float = 0.0
+    tp: float = 0.0
+    kernels: dict = None
+    collectives: list = None
+
+
+def cost(ops: list[Op], device: Device, degrees: dict[str, int]) -> Cost:
+    e = device.efficiency
+    c = Cost(kernels={"gemm": 0.0, "attention": 0.0, "memory": 0.0, "fused": 0.0}, collectives=[])
+
+    def run(kind: str, seconds: float) -> None:
+        c.gpu += seconds
+        c.kernels[kind] += seconds
+
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        if op.region is not None:  # one call of a graph inductor compiles
+            j = i
+            while j < len(ops) and ops[j].region == op.region:
+                j += 1
+            graph = ops[i:j]
+            kernels = fused_kernels(graph)
+            c.host += e.host_graph + e.host_kernel * len(kernels)
+            for kernel in kernels:
+                first = kernel[0]
+                if first.collective is not None:
+                    _collective(first, device, degrees, c)
+                elif first.kind in (GEMM, ATTENTION, FALLBACK):
+                    run(first.kind if first.kind != FALLBACK else "memory", op_seconds(first, device))
+                else:
+                    run("fused", memory_seconds(fused_bytes(kernel, graph), device))
+            i = j
+            continue
+        if op.collective is not None:
+            _collective(op, device, degrees, c)
+            c.host += e.host_op
+        elif op.kind == VIEW:
+            c.host += e.host_view if op.name.startswith("aten.") else 0.0  # prim ops are the fake mode's own
+        else:
+            run(op.kind if op.kind in (GEMM, ATTENTION) else "memory", op_seconds(op, device))
+            c.host += e.host_op
+        i += 1
+    return c
+
+
+def _collective(op: Op, device: Device, degrees: dict[str, int], c: Cost) -> None:
+    seconds = collective_seconds(op.collective, device, degrees)
+    if op.collective.group in _FSDP_GROUPS:
+        c.collectives.append((op.collective.kind, seconds))
+    else:  # TP (or an unknown group): on the compute path
+        c.gpu += seconds
+        c.tp += seconds
 
 
 def collective_seconds(c: Collective, device: Device, degrees: dict[str, int]) -> float:
@@ -47,41 +229,36 @@ def collective_seconds(c: Collective, device: Device, degrees: dict[str, int]) -
     # ranks of the mesh (dp_replicate, dp_shard, tp) are laid out TP-innermost: how many GPUs one group spans
     span = {"tp": degrees["tp"], "dp_shard": degrees["dp_shard"] * degrees["tp"]}.get(
         c.group, degrees["dp_replicate"] * degrees["dp_shard"] * degrees["tp"])
-    bandwidth = device.intra_node_bandwidth if span <= device.gpus_per_node else device.inter_node_bandwidth
+    e = device.efficiency
+    link = (device.intra_node_bandwidth * e.nccl_bus_nvlink if span <= device.gpus_per_node
+            else device.inter_node_bandwidth * e.nccl_bus_network)
     moved = (c.ranks - 1) / c.ranks * c.nbytes * (2 if c.kind == "all_reduce" else 1)
-    return moved / bandwidth
+    return e.nccl_latency + moved / link
 
 
-def _split(ops: list[Op], device: Device, degrees: dict[str, int]) -> tuple[float, list[tuple[str, float]]]:
-    """A segment's compute-stream seconds and its FSDP2 collectives (kind, seconds) in issue order."""
-    compute, collectives = 0.0, []
-    for op in ops:
-        if op.collective is None:
-            compute += op_seconds(op, device)
-        elif op.collective.group in _FSDP_GROUPS:
-            collectives.append((op.collective.kind, collective_seconds(op.collective, device, degrees)))
-        else:  # TP (or an unknown group): on the compute path
-            compute += collective_seconds(op.collective, device, degrees)
-    return compute, collectives
-
+# --- the step ------------------------------------------------------------------------------------------------
 
 def step_time(phases, device: Device, degrees: dict[str, int]) -> Optional[StepTime]:
     """The step's time from its replayed phases (one step: step 2's); None without a time model (CPU)."""
     if not device.is_gpu:
         return None
-    clock = link = 0.0  # when the compute stream and the communication link are next free
+    share = device.efficiency.nccl_sm_share
+    clock = link = host = 0.0  # when the compute stream, the communication link and the host are next free
     previous_start = 0.0
     prefetched = 0.0  # when the all-gather the next backward block waits for is done
-    busy = comm = 0.0
+    busy = comm = tp = waited = 0.0
+    kernels = {"gemm": 0.0, "attention": 0.0, "memory": 0.0, "fused": 0.0}
     by_kind = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     for phase in phases:
-        compute, collectives = _split(phase.ops, device, degrees)
-        busy += compute
+        c = cost(phase.ops, device, degrees)
+        tp += c.tp
+        for kind, seconds in c.kernels.items():
+            kernels[kind] += seconds
         ready = prefetched if phase.kind == "backward" else 0.0
         if phase.kind == "optimizer":
             ready = link  # gradients are whole once the last reduce-scatter is done
         gathers_for_next = []
-        for kind, seconds in collectives:
+        for kind, seconds in c.collectives:
             comm += seconds
             if kind == "all_gather" and phase.kind == "forward":  # this block's own, issued one block early
                 link = max(link, previous_start) + seconds
@@ -89,15 +266,26 @@ def step_time(phases, device: Device, degrees: dict[str, int]) -> Optional[StepT
             elif kind == "all_gather":
                 gathers_for_next.append(seconds)
         before, start = clock, max(clock, ready)
+        waited += start - clock
         for seconds in gathers_for_next:  # backward: prefetch of the next block's parameters
             link = max(link, start) + seconds
             prefetched = link
-        clock = start + compute
+        # compute that overlaps NCCL's kernels runs on the multiprocessors they leave
+        overlapped = max(0.0, min(link, start + c.gpu) - start)
+        gpu = c.gpu + overlapped * share / (1 - share)
+        busy += gpu
+        host += c.host
+        clock = max(start + gpu, host)  # the GPU finishes no earlier than the host has issued the work
         by_kind[phase.kind] = by_kind.get(phase.kind, 0.0) + clock - before
-        for kind, seconds in collectives:
+        for kind, seconds in c.collectives:
             if kind != "all_gather":  # reduce-scatter / all-reduce: once this block's gradients exist
                 link = max(link, clock) + seconds
         previous_start = start
+    waited += max(0.0, link - clock)
     seconds = max(clock, link)
-    return StepTime(seconds, busy, comm, seconds - busy, by_kind["forward"], by_kind["backward"],
-                    by_kind["optimizer"])
+    # the bound: the host when issuing the work takes longer than the GPU's work, else the largest term of the
+    # compute stream's time (its kernels, TP's collectives on it, and its waits for FSDP2's)
+    terms = {COMPUTE: busy - tp, TP_TRAFFIC: tp, FSDP_TRAFFIC: waited}
+    bound = HOST if host > busy else max(terms, key=terms.get)
+    return StepTime(seconds, busy, comm, waited, by_kind["forward"], by_kind["backward"], by_kind["optimizer"],
+                    host=host, tp_communication=tp, kernels=kernels, bound=bound)

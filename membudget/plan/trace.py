@@ -1,10 +1,13 @@
 """What the measurement records and the models replay: allocation events (with the stream each allocation is made
-on) and ops (with their FLOPs, bytes and collectives), in program order, cut into named segments."""
+on) and ops (with their FLOPs, bytes and collectives), in program order, cut into named segments; a probe's
+recorded micro-batches and optimizer steps; the categories of what a step holds."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Union
+
+import torch
 
 
 class Alloc(NamedTuple):
@@ -34,6 +37,12 @@ class Collective:
     group: Optional[str]  # the mesh dimension it runs over (dp_shard, dp_replicate, tp)
 
 
+# What an op is, for its time: a matrix product and attention run on the tensor cores at their own efficiency,
+# the rest moves bytes (a view or an allocation moves none); a fallback moves bytes in a kernel of its own even in
+# a graph inductor compiles (it generates no code for complex tensors: RoPE's rotation)
+GEMM, ATTENTION, MEMORY, VIEW, FALLBACK = "gemm", "attention", "memory", "view", "fallback"
+
+
 @dataclass(frozen=True)
 class Op:
     name: str
@@ -41,6 +50,14 @@ class Op:
     nbytes: int  # bytes read and written (views and allocations without a fill read and write nothing)
     low_precision: bool  # its output is bf16/fp16: tensor-core peak instead of fp32's
     collective: Optional[Collective] = None
+    kind: str = MEMORY
+    # gemm: (batch, M, N, K); attention: (batch, heads, query length, head dim, causal, backward)
+    shape: tuple = ()
+    # inside a compiled graph that inductor would fuse: which call of it (None: run as its own kernel), and the
+    # (allocation, bytes) it reads and writes, so that a fused kernel is charged only what crosses its boundary
+    region: Optional[int] = None
+    reads: tuple = ()
+    writes: tuple = ()
 
 
 @dataclass
@@ -57,3 +74,41 @@ class Segment:
 
     def alloc_sizes(self) -> list[tuple[int, int]]:
         return [(e.nbytes, e.stream) for e in self.events if isinstance(e, Alloc)]
+
+
+# Categories of what a step holds, in the order reports list them
+PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, COMMUNICATION, TEMPORARIES = (
+    "parameters", "gradients", "optimizer states", "activations", "communication buffers", "temporaries")
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, COMMUNICATION, TEMPORARIES)
+
+
+@dataclass
+class Run:
+    """One recorded micro-batch of a probe."""
+
+    segments: dict[str, Segment]
+    categories: dict[int, str]  # allocation key -> category (the rest are temporaries)
+    activations: int  # training's activation_bytes
+    per_block: dict  # activation bytes by probe block (None: outside the blocks)
+
+
+@dataclass
+class Probe:
+    depth: int
+    period: int
+    first: Run  # a step's first micro-batch: from no gradients
+    accumulate: Optional[Run]  # a later micro-batch, adding to the gradients
+    parameters: list[int]  # storage bytes of this rank's parameters: outside the blocks, then one block's
+    block_parameters: list[int]
+    buffers: list[int]
+    shards: dict[str, list[tuple[torch.Size, torch.dtype]]]  # this rank's parameter shapes: "outside", "block"
+    full_sizes: list[int]  # bytes of each parameter at full size in fp32 (the largest is the CPU init transient)
+    sharded: bool  # parameters are DTensors
+
+
+@dataclass
+class OptimizerRun:
+    first: Segment  # gradient clipping and AdamW's first step: it allocates the states
+    steady: Segment
+    state_keys: set  # the first segment's allocations that are optimizer states
+    state_bytes: int

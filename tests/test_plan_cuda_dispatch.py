@@ -1,0 +1,76 @@
+"""The probe records what CUDA runs where its dispatch differs from the CPU's: RMSNorm. torch.rms_norm calls
+aten::_fused_rms_norm (layer_norm.cpp, rms_norm_symint), which has a CUDA kernel and, in derivatives.yaml, a
+formula that saves the input, the weight and the inverse RMS (result1); on the CPU the op has no kernel and its
+composite runs op by op under autograd, saving the fp32 normalised input too."""
+
+import contextlib
+
+import torch
+
+from membudget.internals import FakeTensorMode, storage_key
+from membudget.model import RMSNorm
+from membudget.plan import measure
+from membudget.plan.planner import Planner
+from membudget.step import Numerics
+from tests.conftest import compose_cfg
+
+aten = torch.ops.aten
+B, S, D = 2, 16, 64
+
+
+def saved_bytes(target: str) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Bytes of the distinct storages one RMSNorm saves for backward under bf16 autocast (the model's norm),
+    on fake tensors as the probe runs it for `target`; and its fp32 input and weight."""
+    numerics = Numerics(target, True, False, "flash")
+    saved = {}
+
+    def pack(t):
+        saved.setdefault(storage_key(t.untyped_storage()), t.untyped_storage().nbytes())
+        return t
+
+    with FakeTensorMode(allow_non_fake_inputs=True), measure.cuda_norm(numerics):
+        norm = RMSNorm(D)
+        x = torch.randn(B, S, D, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = norm(x)
+        assert out.dtype == torch.bfloat16
+        out.sum().backward()  # the fused op's backward runs too
+        assert x.grad.shape == x.shape and norm.weight.grad.shape == (D,)
+        return sum(saved.values()), x.float(), norm.weight
+
+
+def test_rmsnorm_saves_what_cudas_fused_kernel_saves():
+    nbytes, x, weight = saved_bytes("cuda")
+    # CUDA's contract: the op's inputs (the fp32 input, the weight) and its second output, the inverse RMS, as
+    # torch's own decomposition of _fused_rms_norm shapes it
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        _, rstd = torch._decomp.decomposition_table[aten._fused_rms_norm.default](x, [D], weight, 1e-5)
+    assert rstd.dtype == torch.float32 and rstd.shape == (B, S, 1)
+    contract = 4 * B * S * D + 4 * D + rstd.numel() * 4
+    assert nbytes == contract
+    # the CPU's composite keeps one more fp32 activation (x * rstd, saved by the product with the weight)
+    assert saved_bytes("cpu")[0] == contract + 4 * B * S * D
+
+
+def _activations(cfg, world: int, norm) -> int:
+    original, measure.cuda_norm = measure.cuda_norm, norm
+    try:
+        with Planner(cfg, world_size=world, device="cuda") as planner:
+            return planner.plan(planner.point(cfg.ac.mode), recompute=False).activations
+    finally:
+        measure.cuda_norm = original
+
+
+def test_an_eager_gpu_plan_keeps_one_fp32_activation_less_per_norm_and_a_compiled_one_is_unchanged():
+    overrides = ["model=llama3_debug", "logger=none", "train.seq_len=64", "train.global_batch_size=4",
+                 "train.micro_batch_size=2"]
+    composite = lambda numerics: contextlib.nullcontext()  # noqa: E731
+    eager = compose_cfg(*overrides, "ac=none", "compile.enabled=false")
+    n, dim = eager.model.n_layers, eager.model.dim
+    norms = 2 * n + 1  # two per block and the final one
+    assert _activations(eager, 1, composite) - _activations(eager, 1, measure.cuda_norm) == norms * 4 * 2 * 64 * dim
+    # compiled blocks keep the compiler's program (their norms decompose there); only the final norm, eager in
+    # a compiled run too, is CUDA's
+    compiled = compose_cfg(*overrides, "ac=memory_budget", "ac.memory_budget=0.5",
+                           "compile.backend=aot_eager_decomp_partition")
+    assert _activations(compiled, 1, composite) - _activations(compiled, 1, measure.cuda_norm) == 4 * 2 * 64 * dim
