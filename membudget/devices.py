@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from membudget.units import GiB
+
 
 @dataclass(frozen=True)
 class Efficiency:
@@ -51,7 +53,6 @@ AMPERE = replace(HOPPER, gemm=0.87, gemm_tile=(128, 128),
                  attention_s_half=576, nccl_sm_share=16 / 108)
 BLACKWELL = replace(HOPPER, gemm=0.78, nccl_sm_share=16 / 148)
 
-GiB = 2**30
 
 
 @dataclass(frozen=True)

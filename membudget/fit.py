@@ -13,9 +13,9 @@ import logging
 from membudget.errors import UserError
 from membudget.rules import mesh_degrees
 from membudget.schema import ffn_hidden_size
+from membudget.units import GiB
 
 log = logging.getLogger("membudget")
-GiB = 2**30
 
 
 def parameter_count(m) -> int:

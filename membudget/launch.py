@@ -321,7 +321,8 @@ class Heartbeat:
         import threading
 
         self.launch = launch
-        self.prefix = f"membudget/heartbeat/{launch.job_key or 'job'}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted worker group counts anew
+        self.prefix = f"membudget/heartbeat/{launch.job_key or 'job'}/{restart}/"
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._beat, name="membudget-heartbeat", daemon=True)
 

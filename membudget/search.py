@@ -49,9 +49,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from membudget.errors import UserError, one_line
 from membudget.schema import ac_label
+from membudget.units import GiB
 
 log = logging.getLogger("membudget")
-GiB = 2**30
 STEP_TIME = "median_step_time_s"
 TRIAL_FILE = "trial.json"
 # Parameters that only matter for one AC mode: a trial of another mode does not sample them, so two proposals

@@ -87,16 +87,23 @@ def _is_peer_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_FAILURE)
 
 
-def _peer_lost_line(cfg, run_dir: Path, run: "Optional[Run]") -> str:
+def _peer_lost_line(cfg, run_dir: Path, run: "Optional[Run]", error: BaseException) -> Optional[str]:
+    """The line for a collective that failed: the ranks whose heartbeat stopped, where, the setting, and the
+    checkpoint a rerun resumes from; None when every rank is alive and it was no timeout (not a peer's fault)."""
     stopped = Heartbeat.stopped_ranks()
-    if stopped:
-        who = ("rank " if len(stopped) == 1 else "ranks ") + ", ".join(map(str, stopped))
-    else:
-        who = "another rank (the rendezvous store, gone with it, could not say which)"
     phase, step = _WHERE["phase"], _WHERE["step"]
     saving = phase.startswith("the checkpoint save") and run is not None
     setting = (f"checkpoint.timeout_s={run.checkpointer.timeout_s:g}" if saving
                else f"parallelism.timeout_s={cfg.parallelism.timeout_s}")
+    if stopped:
+        who = ("rank " if len(stopped) == 1 else "ranks ") + ", ".join(map(str, stopped)) + " stopped answering"
+    elif stopped is None:
+        who = "another rank (the rendezvous store, gone with it, could not say which) stopped answering"
+    elif "timed out" in str(error).lower():
+        who = f"every rank is alive, but one waited longer than {setting.split('=')[0]} for the others"
+        setting += ": raise it if a step or save is that slow"
+    else:
+        return None
     if not cfg.checkpoint.enabled:
         resume = "checkpointing is off: rerunning the same command starts again from step 0"
     else:
@@ -105,9 +112,7 @@ def _peer_lost_line(cfg, run_dir: Path, run: "Optional[Run]") -> str:
         resume = (f"the last complete checkpoint is {done[-1].name}: rerun the same command to resume" if done
                   else "no checkpoint was completed yet: rerunning the same command starts again from step 0")
     at = f" at step {step}" if step is not None else ""
-    return f"{who} stopped answering during {phase}{at} ({setting}); {resume}"
-
-
+    return f"{who} during {phase}{at} ({setting}); {resume}"
 
 
 class StopSignals:
@@ -399,10 +404,11 @@ def apply_step(run: Run, result: StepResult, stop: StopSignals, step: int) -> tu
     if stop_now and stop.agreed is None:
         stop.received_by = next(r for r, v in enumerate(received) if v)
         stop.agreed = received[stop.received_by]
-        stop.reached = "every rank" if all(received) else \
-            "rank" + ("s " if sum(map(bool, received)) > 1 else " ") + ", ".join(str(r) for r, v in enumerate(received) if v)
+        ranks = [r for r, v in enumerate(received) if v]
+        stop.reached = ("every rank" if len(ranks) == len(received)
+                        else ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks)))
         if run.launch.world_size > 1:
-            log.warning("%s reached %s%s: every rank stops after step %d%s", signal.Signals(stop.agreed).name,
+            log.warning("received %s on %s%s: every rank stops after step %d%s", signal.Signals(stop.agreed).name,
                         stop.reached, f" ({stop.why})" if stop.why else "", step,
                         ", with a checkpoint" if run.cfg.checkpoint.enabled else "")
     if not nonfinite:
@@ -596,9 +602,10 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
             except Stopped as e:
                 summary, stopped = {**summarize(run), "status": e.status, "stopped": str(e)}, e
             except BaseException as e:
-                if _is_peer_failure(e):  # a peer died or stalled in a collective: one line, no traceback
+                line = _peer_lost_line(cfg, Path(run_dir), run, e) if _is_peer_failure(e) else None
+                if line is not None:  # a peer died or stalled in a collective: one line, no traceback
                     log.debug("collective failed: %s", e)
-                    failure = PeerLost(_peer_lost_line(cfg, Path(run_dir), run))
+                    failure = PeerLost(line)
                 summary["error"] = f"{type(failure or e).__name__}: {failure or e}"
                 if isinstance(e, KeyboardInterrupt):
                     summary["status"] = "interrupted"

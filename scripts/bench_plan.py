@@ -32,8 +32,8 @@ from membudget.plan.report import blocks_markdown  # noqa: E402
 from membudget.devices import GPUS  # noqa: E402
 from membudget.plan.evidence import error, plan_row, ranked_pairs, rows, speed_summary  # noqa: E402
 from membudget.launch import register_configs  # noqa: E402
+from membudget.units import GiB  # noqa: E402
 
-GiB = 2**30
 SETTING = ["logger=none", "model=llama3_8b", "train.seq_len=8192", "parallelism=fsdp", "plan.world_size=64",
            "train.global_batch_size=64", "train.micro_batch_size=1", "ac=memory_budget", "ac.memory_budget=0.5"]
 

@@ -79,7 +79,7 @@ from membudget.ac import compiler_scope  # noqa: E402
 from membudget.metrics import ActivationCounter  # noqa: E402
 from membudget.parallel import clip_grad_norm  # noqa: E402
 from membudget.plan import plan_setting  # noqa: E402
-from membudget.plan.result import size  # noqa: E402
+from membudget.units import fmt_bytes  # noqa: E402
 from membudget.schema import ACMode, CompileBackend, RunConfig, TrainDevice  # noqa: E402
 from membudget.step import Numerics, build_model, build_optimizer, forward_backward  # noqa: E402
 
@@ -261,7 +261,7 @@ def table(rows: list[Row]) -> str:
              "|---|---|---|---|"]
     for r in rows:
         if r.measured is None:
-            planned = f"planned {size(r.plan.max_allocated)}; " if getattr(r.plan, "max_allocated", None) else ""
+            planned = f"planned {fmt_bytes(r.plan.max_allocated)}; " if getattr(r.plan, "max_allocated", None) else ""
             lines.append(f"| {r.setting} | {planned}{r.skipped} | | |")
             continue
         p, m = r.plan, r.measured

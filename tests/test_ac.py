@@ -58,11 +58,13 @@ def budgets():
     return {b: one_step("ac=memory_budget", f"ac.memory_budget={b}") for b in ("0.0", "1.0", "0.0*2+1.0*2")}
 
 
+@pytest.mark.slow
 def test_memory_budget_trains_like_none(budgets, reference):
     for result in budgets.values():
         _assert_same(result, reference, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_per_block_budgets_save_what_each_block_would_alone(budgets):
     """Each block compiled with its own budget keeps exactly the bytes it keeps when the whole model has that
     budget: blocks 0-1 as at 0.0, blocks 2-3 as at 1.0, and different from each other."""
@@ -106,6 +108,7 @@ def test_selective_op_saves_only_compute_heavy_ops():
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in saved_ops
 
 
+@pytest.mark.slow
 def test_budget_is_scoped_to_the_run(budgets):
     from membudget.internals import functorch_budget
 

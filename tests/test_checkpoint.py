@@ -22,7 +22,8 @@ from tests.checkpoint_driver import SMALL, Run
 from tests.conftest import FAST_COMPILE, ROOT, compose_cfg, subprocess_env
 
 
-@pytest.mark.parametrize("ac", ["ac=none", "ac=full", pytest.param("ac=memory_budget", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ac", ["ac=none", pytest.param("ac=full", marks=pytest.mark.slow),
+                                pytest.param("ac=memory_budget", marks=pytest.mark.slow)])
 def test_resumed_run_matches_uninterrupted_run_bitwise(tmp_path, ac):
     cfg = compose_cfg(*SMALL, ac, FAST_COMPILE)
     checkpointer = Checkpointer(tmp_path, cfg.checkpoint)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from membudget.rundir import LOCK
 from tests.conftest import ROOT, TINY, read_metrics, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -194,6 +195,7 @@ def test_killing_the_launcher_stops_the_workers_with_a_checkpoint(tmp_path):
     (checkpoint,) = (run / "checkpoints").glob("step_*")
     assert (checkpoint / "manifest.json").is_file()
     assert int(checkpoint.name.split("_")[1]) == read_metrics(run)[-1]["step"]
+    assert not (run / LOCK).exists()  # released: the same command resumes at once
 
 
 # --- 9: a hand-launched rank whose rendezvous never answers ---------------------------------------------------

@@ -59,6 +59,7 @@ def test_a_diverged_run_stops_before_the_optimizer_step_and_saves_nothing_bad(tm
         assert resumed["status"] == "completed" and torch.isfinite(torch.tensor(resumed["final_loss"]))
 
 
+@pytest.mark.slow
 def test_skip_policy_skips_a_bad_step_and_goes_on(tmp_path, monkeypatch):
     """A fault injected into one step's gradient norm: that step is skipped (no optimizer or schedule step), the
     next ones train; the run completes and counts it."""

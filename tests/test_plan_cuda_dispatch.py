@@ -5,6 +5,7 @@ composite runs op by op under autograd, saving the fp32 normalised input too."""
 
 import contextlib
 
+import pytest
 import torch
 
 from membudget.internals import FakeTensorMode, storage_key
@@ -61,6 +62,7 @@ def _activations(cfg, world: int, norm) -> int:
         measure.cuda_norm = original
 
 
+@pytest.mark.slow
 def test_an_eager_gpu_plan_keeps_one_fp32_activation_less_per_norm_and_a_compiled_one_is_unchanged():
     overrides = ["model=llama3_debug", "logger=none", "train.seq_len=64", "train.global_batch_size=4",
                  "train.micro_batch_size=2"]

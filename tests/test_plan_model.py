@@ -13,7 +13,8 @@ from membudget.plan.devices import assumed_device, expandable_segments
 from membudget.plan.measure import probe_depth
 from membudget.plan.replay import Layout, Moment
 from membudget.plan.report import non_monotonic, plan_markdown, sweep_markdown
-from membudget.plan.result import DOES_NOT_FIT, FITS, TIGHT, Plan, Setting, size
+from membudget.plan.result import DOES_NOT_FIT, FITS, TIGHT, Plan, Setting
+from membudget.units import fmt_bytes
 from membudget.plan.timing import StepTime, step_time
 from membudget.plan.trace import Collective, Op
 from membudget.schema import PlanConfig
@@ -195,6 +196,6 @@ def test_non_monotonic_reserved_peaks_are_flagged_and_the_reports_say_what_was_a
                   "planned as aot_eager_decomp_partition", "step 2", "tokens/s per device"):
         assert words in text, words
     assert "(peak below a smaller budget's)" in sweep_markdown(bumped)
-    assert plans[1].summary_line().startswith("planned reserved peak 60 GiB of 75 GiB (the device) per rank: fits, "
+    assert plans[1].summary_line().startswith("planned reserved peak 60.0 GiB of 75.0 GiB (the device) per rank: fits, "
                                               "predicted ")
-    assert size(1536 * MiB) == "1.5 GiB" and size(3 * KiB) == "3 KiB"
+    assert fmt_bytes(1536 * MiB) == "1.50 GiB" and fmt_bytes(3 * KiB) == "3.00 KiB"

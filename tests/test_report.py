@@ -24,7 +24,7 @@ from membudget import report
 from membudget.internals import basic_sweeper_jobs
 from membudget.report import plots
 from membudget.report.pareto import Ties, dominates, pareto_front, tied
-from membudget.report.fmt import fmt_bytes, fmt_time
+from membudget.units import fmt_bytes, fmt_time
 from membudget.launch import register_configs
 from membudget.schema import ac_label
 from tests.conftest import FAST_COMPILE, ROOT

@@ -29,8 +29,9 @@ from itertools import combinations
 from typing import Optional
 
 from membudget.schema import compact_budgets
+from membudget.units import fmt_bytes
 
-from .result import UNCERTAINTY, Plan, fits_within, size
+from .result import UNCERTAINTY, Plan, fits_within
 
 log = logging.getLogger("membudget")
 
@@ -140,7 +141,7 @@ def choose_mix(planner, plans: list[Plan], target: int, single: Optional[Plan] =
         mix = dataclasses.replace(first, k=k)
         plan = planner.plan(planner.point("memory_budget", mix.spelling))
         log.info("plan: per-block budgets %s for a target of %s: planned %s (estimated %s), cost %.4g",
-                 mix.spelling, size(target), size(plan.judged_bytes), size(first.judged_bytes), cost(plan))
+                 mix.spelling, fmt_bytes(target), fmt_bytes(plan.judged_bytes), fmt_bytes(first.judged_bytes), cost(plan))
         if fits(plan, target):
             if cost(plan) < beat and (best is None or cost(plan) < cost(best)):
                 best = plan

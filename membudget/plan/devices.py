@@ -10,9 +10,7 @@ import torch
 
 from membudget.devices import GPUS, Device, by_cuda_name
 from membudget.errors import UserError
-
-GiB = 2**30
-MiB = 2**20
+from membudget.units import GiB, MiB
 
 # Device memory outside PyTorch's caching allocator, so not in max_memory_reserved. Named, not fitted:
 # - the CUDA context with its kernels: CUDA 12 loads modules lazily (CUDA_MODULE_LOADING=LAZY, torch's default),

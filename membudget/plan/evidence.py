@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Optional
 
 from membudget.devices import FITTED, GPUS
+from membudget.units import GiB
 
 from .planner import Planner
 from .result import Plan
 
 TABLE = Path(__file__).resolve().parents[2] / "docs" / "planner" / "evidence.csv"
-GiB = 2**30
 
 
 @dataclass

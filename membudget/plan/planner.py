@@ -14,18 +14,18 @@ from membudget.errors import UserError
 from membudget.rules import SECTIONS, check_parallelism, check_train, compile_enabled, mesh_degrees, validate
 from membudget.schema import CompileBackend, RuntimeEstimator, ac_label, budget_of, compact_budgets, parse_block_budgets
 from membudget.step import Numerics, StepShape
+from membudget.units import GiB, fmt_bytes, gib
 
 from .allocator import CachingAllocator
 from .blocks import choose_mix
 from .devices import CUDA_CONTEXT, NCCL_PER_COMMUNICATOR, assumed_device, expandable_segments
 from .measure import fake_world, probe_shape, run_optimizer, run_probe
 from .replay import Layout, Memory, consistent, simulate, two_steps
-from .result import DOES_NOT_FIT, FITS, NO_LIMIT, TIGHT, UNCERTAINTY, BlockCost, Plan, Setting, fits_within, size
+from .result import DOES_NOT_FIT, FITS, NO_LIMIT, TIGHT, UNCERTAINTY, BlockCost, Plan, Setting, fits_within
 from .timing import cost, step_time
 from .trace import GRADIENTS, OptimizerRun
 
 log = logging.getLogger("membudget")
-GiB = 2**30
 
 
 def resolve_world_size(cfg, world_size: Optional[int]) -> int:
@@ -62,7 +62,7 @@ class Planner:
         else:
             margin = cfg.plan.margin_gib
             self.limit = self.device.memory - int(margin * GiB) if self.device.memory else None
-            self.limit_source = f"the device's {size(self.device.memory)} less plan.margin_gib={margin:g}"
+            self.limit_source = f"the device's {fmt_bytes(self.device.memory)} less plan.margin_gib={margin:g}"
 
     def __enter__(self) -> "Planner":
         self._world = fake_world(self.cfg.parallelism, self.world_size)
@@ -206,7 +206,7 @@ class Planner:
         if not self.limit:
             return NO_LIMIT, "no memory limit known: set ac.target_memory_gib", need
         limit = self.limit
-        needs = f"needs {size(need)} of {size(limit)}"
+        needs = f"needs {fmt_bytes(need)} of {fmt_bytes(limit)}"
         if fits_within(need, limit):
             return FITS, needs, need
         if reserved is None:
@@ -333,11 +333,7 @@ def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int],
         with Planner(cfg, world_size, device) as planner:
             full = planner.plan(planner.point("full"), "full")
     raise UserError(
-        f"ac.memory_budget=auto: no budget fits {_gib(lowest.limit)} GiB per rank on {lowest.device.name} "
-        f"(lowest planned reserved peak {_gib(lowest.reserved_peak)} GiB, {lowest.label}: {lowest.verdict}); "
-        f"ac=full plans {_gib(full.reserved_peak)} GiB ({full.verdict}); or lower train.micro_batch_size / "
+        f"ac.memory_budget=auto: no budget fits {gib(lowest.limit)} GiB per rank on {lowest.device.name} "
+        f"(lowest planned reserved peak {gib(lowest.reserved_peak)} GiB, {lowest.label}: {lowest.verdict}); "
+        f"ac=full plans {gib(full.reserved_peak)} GiB ({full.verdict}); or lower train.micro_batch_size / "
         f"train.seq_len, or shard over more ranks (parallelism=fsdp with a larger plan.world_size)")
-
-
-def _gib(nbytes: Optional[int]) -> str:
-    return "-" if nbytes is None else f"{nbytes / GiB:.4g}"

@@ -5,15 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from .trace import CATEGORIES
+from membudget.units import GiB, fmt_bytes
+
 from .blocks import TargetChoice, cost, fits
-from .result import DOES_NOT_FIT, Plan, size
-
-GiB = 2**30
-
-
-def gib(nbytes: Optional[int]) -> str:
-    return "-" if nbytes is None else f"{nbytes / GiB:.2f}"
+from .result import DOES_NOT_FIT, Plan
+from .trace import CATEGORIES
 
 
 def _compile_words(plan: Plan) -> str:
@@ -63,22 +59,22 @@ def plan_markdown(plan: Plan) -> str:
         f"{_compile_words(plan)}; planned in {plan.seconds:.1f} s.{_estimator_words(plan)}",
         "",
         "| memory per rank | | when |", "|---|---:|---|",
-        *[f"| {name} | {size(value)} | {when} |" for name, value, when in rows],
+        *[f"| {name} | {fmt_bytes(value)} | {when} |" for name, value, when in rows],
         "",
         "| part | at the allocated peak | at the reserved peak |", "|---|---:|---:|",
     ]
     reserved = plan.reserved.breakdown if plan.reserved is not None else {}
     for part in (*CATEGORIES, "allocator slack"):
-        lines.append(f"| {part} | {size(plan.allocated.breakdown.get(part))} | {size(reserved.get(part))} |")
+        lines.append(f"| {part} | {fmt_bytes(plan.allocated.breakdown.get(part))} | {fmt_bytes(reserved.get(part))} |")
     lines += [
         "",
-        f"Per rank: parameters {size(plan.parameters)}, buffers {size(plan.buffers)}, gradients "
-        f"{size(plan.gradients)}, AdamW states {size(plan.optimizer_states)}; activations saved for backward "
-        f"{size(plan.activations)} a micro-batch; initialisation holds {size(plan.init_transient)} more than the "
+        f"Per rank: parameters {fmt_bytes(plan.parameters)}, buffers {fmt_bytes(plan.buffers)}, gradients "
+        f"{fmt_bytes(plan.gradients)}, AdamW states {fmt_bytes(plan.optimizer_states)}; activations saved for backward "
+        f"{fmt_bytes(plan.activations)} a micro-batch; initialisation holds {fmt_bytes(plan.init_transient)} more than the "
         "parameters (a CPU mesh initialises each parameter at full size, a GPU mesh each shard in place).",
         "",
         "| step | allocated peak | when |", "|---|---:|---|",
-        *[f"| {step}{' (no optimizer states before its optimizer step)' if step == 1 else ''} | {size(m.nbytes)} | "
+        *[f"| {step}{' (no optimizer states before its optimizer step)' if step == 1 else ''} | {fmt_bytes(m.nbytes)} | "
           f"{m.phase} |" for step, m in sorted(plan.per_step.items()) if step],
         "",
     ]
@@ -110,7 +106,7 @@ def sweep_markdown(plans: list[Plan], chosen: Optional[Plan] = None) -> str:
     flagged = non_monotonic(plans)
     timed = first.time is not None
     lines = [
-        f"# Sweep: {first.setting.model}, each of {first.setting.world_size} ranks, limit {size(first.limit)} on "
+        f"# Sweep: {first.setting.model}, each of {first.setting.world_size} ranks, limit {fmt_bytes(first.limit)} on "
         f"{first.device.name} ({first.device.reason})",
         "",
         "| setting | activations | allocated peak | " + ("reserved peak | " if first.reserved else "")
@@ -122,8 +118,8 @@ def sweep_markdown(plans: list[Plan], chosen: Optional[Plan] = None) -> str:
         note = (" (peak below a smaller budget's)" if p in flagged else "") + (" **chosen**" if p is chosen else "")
         when = (p.reserved or p.allocated).describe()
         speed = f"{p.step_seconds:.3f} | {p.tokens_per_s_per_device:,.0f} | " if timed else ""
-        reserved = f"{size(p.reserved_peak)} | " if first.reserved else ""
-        lines.append(f"| {p.label}{note} | {size(p.activations)} | {size(p.peak)} | {reserved}{when} | {p.verdict} | "
+        reserved = f"{fmt_bytes(p.reserved_peak)} | " if first.reserved else ""
+        lines.append(f"| {p.label}{note} | {fmt_bytes(p.activations)} | {fmt_bytes(p.peak)} | {reserved}{when} | {p.verdict} | "
                      f"{speed}{p.recompute_ratio:.1%} |")
     return "\n".join(lines) + "\n"
 
@@ -151,15 +147,15 @@ def blocks_markdown(choices: list[TargetChoice], plans: list[Plan]) -> str:
     for c in choices:
         fitting = [_speed(p) if fits(p, c.target) else "-" for p in named.values()]
         single = c.single
-        mixed = (f"{c.per_block.memory_budget}: {_speed(c.per_block)} ({size(c.per_block.judged_bytes)})"
+        mixed = (f"{c.per_block.memory_budget}: {_speed(c.per_block)} ({fmt_bytes(c.per_block.judged_bytes)})"
                  if c.per_block else "none beats it")
         gain = "-" if c.gain is None else f"{c.gain:+.1%}"
         against_full = "-"
         full = named.get("full")
         if c.best is not None and full is not None and c.best.time is not None:
             against_full = f"{cost(full) / cost(c.best) - 1:+.1%}"
-        lines.append(f"| {size(c.target)} | " + " | ".join(fitting) + " | "
-                     + (f"{single.memory_budget:g}: {_speed(single)} ({size(single.judged_bytes)})" if single else "-")
+        lines.append(f"| {fmt_bytes(c.target)} | " + " | ".join(fitting) + " | "
+                     + (f"{single.memory_budget:g}: {_speed(single)} ({fmt_bytes(single.judged_bytes)})" if single else "-")
                      + f" | {mixed} | {gain} | {against_full} |")
     return "\n".join(lines) + "\n"
 

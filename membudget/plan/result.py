@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from membudget.devices import Device
+from membudget.units import fmt_bytes
 
 from .replay import Moment
 from .timing import StepTime
 
-GiB = 2**30
 # How far the predicted reserved peak may be from the measured one: issue 14's target, above the worst error
 # over the public measurements of programs the planner models (docs/planner/evidence.csv: 1.9 %;
 # tests/test_plan_evidence.py holds every such row within it). A peak within this of the limit is "tight".
@@ -24,16 +24,6 @@ def fits_within(need: int, limit: int) -> bool:
     return need <= limit * (1 - UNCERTAINTY)
 
 FITS, TIGHT, DOES_NOT_FIT, NO_LIMIT = "fits", "tight", "does not fit", "no limit known"
-
-
-def size(nbytes: Optional[int]) -> str:
-    """Bytes for a reader: GiB, MiB or KiB with three significant digits."""
-    if nbytes is None:
-        return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes / 1024:.3g} KiB"
 
 
 @dataclass(frozen=True)
@@ -143,10 +133,10 @@ class Plan:
     def summary_line(self) -> str:
         """One line for the trainer's log."""
         where = f"{self.device.name} ({self.device.reason})"
-        limit = "" if self.limit is None else f" of {size(self.limit)} ({self.limit_source})"
+        limit = "" if self.limit is None else f" of {fmt_bytes(self.limit)} ({self.limit_source})"
         speed = "" if self.time is None else (f", predicted {self.tokens_per_s_per_device:,.0f} tokens/s per device "
                                               f"(bound by {self.time.bound})")
-        memory = f"reserved peak {size(self.reserved_peak)}" if self.reserved is not None else f"peak {size(self.peak)}"
+        memory = f"reserved peak {fmt_bytes(self.reserved_peak)}" if self.reserved is not None else f"peak {fmt_bytes(self.peak)}"
         return f"planned {memory}{limit} per rank: {self.verdict}{speed}; {where}"
 
     def to_dict(self) -> dict:

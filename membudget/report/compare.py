@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 
-from membudget.report.fmt import fmt_bytes
+from membudget.units import fmt_bytes
 from membudget.report.jobs import Job, Sweep
 
 # Relative and absolute at once: |loss - loss_none| <= TOLERANCE * (1 + |loss_none|). AC only changes

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from membudget.report.fmt import fmt_bytes
+from membudget.units import fmt_bytes
 
 Row = dict[str, Any]
 

@@ -23,12 +23,12 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from matplotlib.transforms import Bbox
 
 from membudget.report.jobs import Job, mean_budget
+from membudget.units import MiB
 from membudget.report.pareto import FrontPoint
 
 PLOT_FORMATS = ("png", "svg")
 WIDTH, DPI = 9.0, 100  # 900 px wide: about the width GitHub shows a README image at, so text stays legible
 FONT = 9
-MiB = 2**20
 MARKERS = ["o", "s", "D", "^", "v", "P", "X", "*", "<", ">", "h", "p", "d", "8"]
 LINESTYLES = ["-", "--", "-.", ":"]
 MODE_COLORS = ["black", "tab:red", "tab:pink", "tab:brown", "tab:gray", "tab:olive", "tab:cyan", "tab:purple"]

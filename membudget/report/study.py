@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from membudget.report.fmt import fmt_bytes, fmt_time
+from membudget.units import fmt_bytes, fmt_time
 from membudget.report.jobs import Sweep
 
 

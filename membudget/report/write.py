@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from membudget.report.compare import COLUMNS
-from membudget.report.fmt import fmt_bytes, fmt_time
+from membudget.units import fmt_bytes, fmt_time
 from membudget.report.jobs import Sweep
 from membudget.report.pareto import FrontPoint, Ties, front_runs
 from membudget.report.study import trial_lines
