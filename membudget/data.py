@@ -32,6 +32,7 @@ from tiktoken.load import load_tiktoken_bpe
 from membudget.errors import UserError
 from membudget.internals import no_datasets_download_counts
 from membudget.options import choices, option_for, options_setting
+from membudget.rules import check_global_batch
 from membudget.schema import DataConfig, DataName, TokenizerConfig, TokenizerName
 
 
@@ -380,11 +381,7 @@ class TokenBatches:
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, global_batch_size: int, seq_len: int, seed: int,
                  dp_rank: int = 0, dp_size: int = 1):
-        if global_batch_size % dp_size:
-            raise UserError(
-                f"train.global_batch_size={global_batch_size!r}: must be divisible by the data-parallel size "
-                f"{dp_size}; pick a multiple of {dp_size}"
-            )
+        check_global_batch(global_batch_size, dp_size)
         self.cfg, self.tokenizer = cfg, tokenizer
         self.global_batch_size, self.seq_len, self.seed = global_batch_size, seq_len, seed
         local = global_batch_size // dp_size

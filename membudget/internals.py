@@ -1,7 +1,9 @@
 """Every private API of PyTorch, Hydra and Hugging Face datasets that membudget uses, each in one place, with
 what it stands in for.
 
-When a public API appears for one of these, only this file changes.
+When a public API appears for one of these, only this file changes. One exception: the Optuna sweeper's
+SamplerConfig, imported in hydra_plugins/membudget_search, which Hydra imports at every start and must not
+import torch (as this module does).
 """
 
 from __future__ import annotations
@@ -189,3 +191,23 @@ def decomposing_partitioning_backend(wrap_graph: Any) -> Any:
                                                                compiler="inductor"))(gm, example_inputs)
 
     return backend
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a view was made from (None for a tensor that is not a view); `Tensor._base` stands in for a
+    public accessor (torch has none: untyped_storage() would also match unrelated tensors sharing a storage)."""
+    return t._base
+
+
+def tqdm_logging_handlers(logger: Any) -> list:
+    """The handlers tqdm.contrib.logging.logging_redirect_tqdm installed on `logger`: its handler class,
+    `_TqdmLoggingHandler`, is private, so they are known by that class's name."""
+    return [h for h in logger.handlers if type(h).__name__ == "_TqdmLoggingHandler"]
+
+
+def mem_tracker_class() -> type:
+    """torch's MemTracker (per-module memory by category: parameters, gradients, activations, optimizer states),
+    which the tests measure real steps with; it lives in torch.distributed._tools, with no public form."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from membudget.devices import GPUS, by_cuda_name
-from membudget.internals import CheckpointWrapper, storage_key, tree_leaves
+from membudget.internals import CheckpointWrapper, storage_key, tqdm_logging_handlers, tree_leaves, view_base
 
 log = logging.getLogger("membudget")
 
@@ -93,7 +93,7 @@ class ActivationCounter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         # FSDP's unsharded parameters exist only during forward/backward: seen as a Parameter or a view of one
-        if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter):
+        if not isinstance(t, nn.Parameter) and not isinstance(view_base(t), nn.Parameter):
             self._add(t)
         # detached: keeping a saved output itself would tie it to its own grad_fn in a reference cycle,
         # freed only by the garbage collector
@@ -335,8 +335,7 @@ class Progress:
             self._stack.enter_context(logging_redirect_tqdm())
             self.bar = tqdm(total=total, initial=done, desc=label, unit="step", dynamic_ncols=True)
         if mode in ("bar", "off"):
-            self._handlers = _console_handlers() + [h for h in logging.getLogger().handlers
-                                                     if type(h).__name__ == "_TqdmLoggingHandler"]
+            self._handlers = _console_handlers() + tqdm_logging_handlers(logging.getLogger())
             for handler in self._handlers:
                 handler.addFilter(self._filter)
 

@@ -40,8 +40,3 @@ def choices(group: str) -> str:
     """"ac=full, ac=none, ..." : every option of a group as an override."""
     return ", ".join(f"{group}={o}" for o in group_options(group))
 
-
-def hint(group: str, key: str, value) -> str:
-    """"use tokenizer=llama3" for the option that sets key: value, else the group's options."""
-    option = option_for(group, key, value)
-    return f"use {option}" if option else f"choose one of {choices(group)}"

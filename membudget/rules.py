@@ -212,6 +212,13 @@ def check_parallelism(cfg: Any, world_size: int) -> None:
                  "ac.memory_budget=0.0 (the compiler's own full recompute)")
 
 
+def check_global_batch(global_batch_size: int, dp: int) -> None:
+    """The global batch splits evenly across the data-parallel ranks (each keeps global_batch_size // dp rows)."""
+    if global_batch_size % dp:
+        fail("train.global_batch_size", global_batch_size,
+             f"must divide across the {dp} data-parallel ranks; use a multiple of {dp}")
+
+
 def check_train(cfg: Any, world_size: int) -> None:
     t = cfg.train
     for key in ("steps", "global_batch_size", "seq_len", "log_every", "max_skipped_steps"):
@@ -220,9 +227,7 @@ def check_train(cfg: Any, world_size: int) -> None:
     if t.seq_len > cfg.model.max_seq_len:
         fail("train.seq_len", t.seq_len, f"must be at most model.max_seq_len={cfg.model.max_seq_len}")
     dp = dp_size(cfg, world_size)
-    if t.global_batch_size % dp:
-        fail("train.global_batch_size", t.global_batch_size,
-             f"must divide across the {dp} data-parallel ranks; use a multiple of {dp}")
+    check_global_batch(t.global_batch_size, dp)
     if t.micro_batch_size is not None:
         per_rank = t.global_batch_size // dp
         if t.micro_batch_size <= 0 or per_rank % t.micro_batch_size:

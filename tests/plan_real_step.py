@@ -8,15 +8,15 @@ import json
 import sys
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from membudget.ac import compiler_scope
+from membudget.internals import mem_tracker_class
 from membudget.metrics import ActivationCounter
 from membudget.parallel import clip_grad_norm, dp_coordinates
 from membudget.step import build_model, build_optimizer, forward_backward
 
 
-class CompiledMemTracker(MemTracker):
+class CompiledMemTracker(mem_tracker_class()):
     """torch's MemTracker, kept on while compiled graphs run (aot_eager graphs run op by op)."""
 
     @classmethod

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from membudget import options, schema
 from membudget.errors import UserError
@@ -37,9 +38,12 @@ def test_the_schema_is_not_an_option():
             compose_cfg(override)
 
 
+def _schema_node(section: str) -> type:
+    return next(f for f in dataclasses.fields(schema.RunConfig) if f.name == section).default_factory
+
+
 def _schema_defaults(section: str) -> dict:
-    node = next(f for f in dataclasses.fields(schema.RunConfig) if f.name == section).default_factory
-    return {f.name: f.default for f in dataclasses.fields(node) if f.default is not dataclasses.MISSING}
+    return {f.name: f.default for f in dataclasses.fields(_schema_node(section)) if f.default is not dataclasses.MISSING}
 
 
 @pytest.mark.parametrize("group", ["ac", "model", "parallelism", "data", "tokenizer", "logger"])
@@ -49,7 +53,11 @@ def test_every_default_lives_in_the_schema(group):
     defaults = _schema_defaults(group)
     for option in options.group_options(group):
         values = yaml.safe_load((CONF / group / f"{option}.yaml").read_text()) or {}
-        restated = {k: v for k, v in values.items() if k in defaults and str(defaults[k]) == str(v) and k not in ("name", "mode")}
+        # compared as the schema types them (yaml's 1e-5 is a string and 500000 an int; the schema's, floats)
+        typed = OmegaConf.merge(OmegaConf.structured(_schema_node(group)),
+                                OmegaConf.load(CONF / group / f"{option}.yaml"))
+        restated = {k: v for k, v in values.items()
+                    if k in defaults and typed[k] == defaults[k] and k not in ("name", "mode")}
         assert not restated, f"conf/{group}/{option}.yaml restates schema defaults {restated}"
     top = yaml.safe_load((CONF / "config.yaml").read_text())
     assert set(top) == {"defaults", "hydra"}, "conf/config.yaml sets section values: they belong in the schema"

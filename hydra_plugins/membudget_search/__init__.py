@@ -29,6 +29,8 @@ class BudgetSearchSweeper(Sweeper):
 
 try:
     from hydra.core.config_store import ConfigStore
+    # private (hydra_optuna_sweeper has no public API) and imported here, not through membudget.internals, which
+    # imports torch: this module is imported at every Hydra start, the torch-free SLURM submitter's included
     from hydra_plugins.hydra_optuna_sweeper.config import SamplerConfig
 except ImportError:  # the search extra is not installed: hydra/sweeper=budget_search says so when used
     pass

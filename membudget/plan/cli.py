@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from membudget.errors import UserError
+from membudget.schema import budget_of
 
 from .blocks import per_target, targets_between
 from .planner import Planner, choose_or_explain, plan_setting, plan_sweep
@@ -21,7 +22,7 @@ log = logging.getLogger("membudget")
 def run(cfg, out_dir: Path) -> dict:
     """What the command does: plan, write plan.json and plan.md (a sweep: also the plots), log the table."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    budget = cfg.ac.memory_budget if str(cfg.ac.mode) == "memory_budget" else None
+    budget = budget_of(cfg.ac)
     chosen = error = None
     if budget in ("sweep", "auto"):
         plans = plan_sweep(cfg)

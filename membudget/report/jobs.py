@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from omegaconf import OmegaConf
 
 from membudget.errors import one_line
+from membudget.rules import compile_enabled
 from membudget.schema import ac_label, budget_of, parse_block_budgets
 
 
@@ -51,8 +52,8 @@ class Job:
     def compiled(self) -> bool:
         if "compile" in self.summary:
             return bool(self.summary["compile"])
-        enabled = self.config.get("compile", {}).get("enabled")
-        return self.mode == "memory_budget" if enabled is None else bool(enabled)
+        return compile_enabled(OmegaConf.create({"compile": {"enabled": None, **self.config.get("compile", {})},
+                                                 "ac": {"mode": self.mode}}))
 
 
 def mean_budget(budget) -> Optional[float]:
