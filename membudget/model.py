@@ -230,6 +230,9 @@ def shard_local_init(mesh) -> bool:
     return mesh.device_type != "cpu"
 
 
-def num_params(model: nn.Module) -> int:
-    """Parameters counted once each (a tied embedding counts once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def num_params(model: Transformer) -> int:
+    """The model's parameters (a tied embedding counts once), by the one formula, membudget.fit.parameter_count,
+    which the torch-free SLURM submitter uses too; tests/test_model.py checks it against the built models."""
+    from membudget.fit import parameter_count
+
+    return parameter_count(model.args)

@@ -352,7 +352,8 @@ class PlanConfig:
     world_size: Optional[int] = None
     """Ranks; null: the product of the parallelism degrees."""
     gpu: str = "auto"
-    """The GPU planned for (H100, H200, A100-80GB, ...); auto: the visible one, else H100."""
+    """The GPU planned for: a key of membudget/devices.py's table (H100, H100-96GB@500W, H200, B200, A100-80GB,
+    ...); auto: the visible one, else H100."""
     device_gib: Optional[float] = None
     """Device memory per rank, GiB; overrides the GPU's."""
     margin_gib: float = 4.0

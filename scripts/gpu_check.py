@@ -265,8 +265,8 @@ def table(rows: list[Row]) -> str:
             lines.append(f"| {r.setting} | {planned}{r.skipped} | | |")
             continue
         p, m = r.plan, r.measured
-        lines.append(f"| {p.label} | {_cell(p.max_allocated, m.max_allocated, size)} | "
-                     f"{_cell(p.reserved.nbytes if p.reserved else None, m.max_reserved, size)} | "
+        lines.append(f"| {p.label} | {_cell(p.max_allocated, m.max_allocated, fmt_bytes)} | "
+                     f"{_cell(p.reserved.nbytes if p.reserved else None, m.max_reserved, fmt_bytes)} | "
                      f"{_cell(p.tokens_per_s, m.tokens_per_s, lambda v: f'{v:,.0f}')} |")
     return "\n".join(lines)
 
@@ -924,8 +924,8 @@ def expandable_md(rows: list[dict], error: str) -> str:
         if m is None:
             lines.append(f"| {r['setting']} | {r['skipped']} | |")
             continue
-        lines.append(f"| {p.get('label')} | {_cell(p.get('max_allocated'), m['max_allocated'], size)} | "
-                     f"{_cell(p.get('reserved'), m['max_reserved'], size)} |")
+        lines.append(f"| {p.get('label')} | {_cell(p.get('max_allocated'), m['max_allocated'], fmt_bytes)} | "
+                     f"{_cell(p.get('reserved'), m['max_reserved'], fmt_bytes)} |")
     return "\n".join(lines)
 
 

@@ -14,12 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from membudget.ac import compiler_scope
 from membudget.checkpoint import Checkpointer
 from membudget.data import TokenBatches, build_tokenizer
-from membudget.metrics import ActivationCounter
 from membudget.launch import init_distributed, launch_from_env
-from membudget.parallel import build_mesh, clip_grad_norm, dp_coordinates
-from membudget.step import build_model, build_optimizer, forward_backward
+from membudget.metrics import ActivationCounter
+from membudget.parallel import build_mesh, dp_coordinates
+from membudget.step import Numerics, StepShape, build_model, build_optimizer
+from membudget.trainer import train_step
 from tests.conftest import compose_cfg
 
 # fp32 on CPU, no dropout: a resumed run must reproduce the uninterrupted one bit for bit
@@ -27,11 +29,22 @@ SMALL = ("logger=none", "data=synthetic", "train.seq_len=32", "train.global_batc
          "lr_schedule.warmup_steps=2")
 
 
+def scope(cfg):
+    """The run's compiler settings (ac=memory_budget's budget), as the trainer enters them around its loop: a
+    Run trains within it."""
+    return compiler_scope(cfg.ac, None, cfg.model.n_layers)
+
+
 @dataclass
 class Run:
-    """Model, optimizer, scheduler and data of one training run, and the trainer's step."""
+    """Model, optimizer, scheduler and data of one training run (the fields the trainer's `train_step` reads),
+    and the trainer's step."""
 
     cfg: object
+    device: torch.device
+    mesh: object
+    shape: StepShape
+    numerics: Numerics
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -40,26 +53,33 @@ class Run:
 
     @classmethod
     def build(cls, cfg, mesh=None) -> Run:
+        device = torch.device("cpu")
+        numerics = Numerics.for_target(cfg, device.type, (0, 0))
         torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg, torch.device("cpu"), mesh)
+        model = build_model(cfg, device, mesh, numerics)
         optimizer, scheduler = build_optimizer(model, cfg)
         dp_rank, dp_size = dp_coordinates(mesh)
         batches = TokenBatches(cfg.data, build_tokenizer(cfg.tokenizer), cfg.train.global_batch_size,
                                cfg.train.seq_len, cfg.train.seed, dp_rank=dp_rank, dp_size=dp_size)
-        return cls(cfg, model, optimizer, scheduler, batches, ActivationCounter(model))
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        return cls(cfg, device, mesh, StepShape.from_config(cfg, world_size), numerics, model, optimizer, scheduler,
+                   batches, ActivationCounter(model))
 
     def train(self, steps: int) -> list[float]:
-        """`steps` optimizer steps as the trainer takes them; this rank's losses."""
+        """`steps` optimizer steps as the trainer takes them (its train_step, then AdamW and the schedule, as its
+        apply_step does on a finite step); this rank's losses. `activation_bytes`: each step's, appended."""
         losses = []
         for _ in range(steps):
-            inputs, labels = next(self.batches)
-            loss, _ = forward_backward(self.model, inputs, labels, self.counter)
-            clip_grad_norm(self.model, self.cfg.train.max_grad_norm)
+            result = train_step(self)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
-            losses.append(loss.item())
+            losses.append(result.loss.item())
+            self.activation_bytes.append(result.activation_bytes)
         return losses
+
+    def __post_init__(self) -> None:
+        self.activation_bytes: list[int] = []
 
     def save(self, checkpointer: Checkpointer, step: int) -> None:
         checkpointer.save(step, self.model, self.optimizer, self.scheduler, {"data": self.batches.state_dict()})
@@ -79,15 +99,16 @@ def main(out_dir: Path, *overrides: str) -> None:
     checkpointer = Checkpointer(out_dir, cfg.checkpoint)
     checkpointer.check_writable()
 
-    run = Run.build(cfg, mesh)
-    run.train(3)
-    run.save(checkpointer, 3)
-    uninterrupted = run.train(3)
+    with scope(cfg):
+        run = Run.build(cfg, mesh)
+        run.train(3)
+        run.save(checkpointer, 3)
+        uninterrupted = run.train(3)
 
-    resumed = Run.build(cfg, mesh)
-    _, state = resumed.load(checkpointer)
-    assert state["step"] == 3
-    losses = {"uninterrupted": uninterrupted, "resumed": resumed.train(3)}
+        resumed = Run.build(cfg, mesh)
+        _, state = resumed.load(checkpointer)
+        assert state["step"] == 3
+        losses = {"uninterrupted": uninterrupted, "resumed": resumed.train(3)}
     (out_dir / f"losses_rank{launch.rank}.json").write_text(json.dumps(losses))
     dist.destroy_process_group()
 

@@ -3,6 +3,7 @@ subprocess where the process is the point (signals, exit codes, torchrun, SLURM)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -70,6 +71,20 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def read_summary(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+@contextlib.contextmanager
+def small_tmpfs(tmp_path: Path, size: str):
+    """A tmpfs of `size` (mount's spelling: 48k, 6m) in tmp_path, for full-disk tests; skips where not root."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
 
 
 @pytest.fixture(autouse=True)

@@ -4,16 +4,20 @@ setting on rank 0, each setting's overrides given as one argument)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
+from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 from membudget.ac import compiler_scope
 from membudget.internals import mem_tracker_class
 from membudget.metrics import ActivationCounter
-from membudget.parallel import clip_grad_norm, dp_coordinates
-from membudget.step import build_model, build_optimizer, forward_backward
+from membudget.parallel import dp_coordinates
+from membudget.step import Numerics, StepShape, build_model, build_optimizer
+from membudget.trainer import train_step
 
 
 class CompiledMemTracker(mem_tracker_class()):
@@ -33,18 +37,22 @@ def real_steps(cfg, mesh=None) -> dict:
     tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.train.seq_len + 1))
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as the trainer's batches
     peaks = []
-    with compiler_scope(cfg.ac):
-        model = build_model(cfg, torch.device("cpu"), mesh)
+    device = torch.device("cpu")
+    numerics = Numerics.for_target(cfg, device.type, (0, 0))
+    with compiler_scope(cfg.ac, None, cfg.model.n_layers):  # as the trainer enters it
+        model = build_model(cfg, device, mesh, numerics)
         optimizer, _ = build_optimizer(model, cfg)
-        counter = ActivationCounter(model)
+        # what the trainer's train_step reads of its Run: this batch every step
+        run = SimpleNamespace(cfg=cfg, device=device, mesh=mesh, numerics=numerics, model=model,
+                              shape=StepShape.from_config(cfg, dist.get_world_size() if dist.is_initialized() else 1),
+                              batches=itertools.repeat((inputs, labels)), counter=ActivationCounter(model))
         for _ in range(2):
             tracker = CompiledMemTracker()
             tracker.track_external(model, optimizer)
             with tracker:
-                activations = forward_backward(model, inputs, labels, counter)[1]
+                activations = train_step(run).activation_bytes  # forward, backward and the gradient clip
                 gradients = sum(p.grad.nbytes for p in model.parameters())
-                clip_grad_norm(model, cfg.train.max_grad_norm)
-                optimizer.step()
+                optimizer.step()  # then AdamW, as the trainer's apply_step on a finite step
                 optimizer.zero_grad(set_to_none=True)
             peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - inputs.nbytes - labels.nbytes)
     return {

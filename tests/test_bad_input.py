@@ -74,8 +74,12 @@ CASES = [
     hydra("force-recompute-not-list", "ac.force_recompute_modules", "ac.force_recompute_modules=w2"),
     hydra("target-gib-string", "ac.target_memory_gib", MB, "ac.memory_budget=auto", "ac.target_memory_gib=abc"),
     hydra("section-as-scalar", "train", "train=fast"),
+    hydra("budget-list", "ac.memory_budget", "ac.memory_budget=[0.3,0.4]"),
     hydra("unknown-mode", "ac.mode", "ac.mode=bogus"),
     hydra("unknown-solver", "ac.solver", MB, "ac.solver=magic"),
+    hydra("unknown-estimator", "ac.runtime_estimator", "ac.runtime_estimator=guess"),
+    hydra("unknown-dtype", "train.dtype", "train.dtype=int8"),
+    hydra("unknown-decay", "lr_schedule.decay", "lr_schedule.decay=step"),
     hydra("unknown-backend", "compile.backend", "compile.backend=tvm"),
     hydra("unknown-device", "train.device", "train.device=tpu"),
     hydra("unknown-wandb-mode", "logger.mode", "logger.mode=bogus"),
@@ -91,13 +95,16 @@ CASES = [
     # ---- AC and compile
     run("budget-without-compile", "compile.enabled", MB, "compile.enabled=false"),
     run("budget-aot-eager", "compile.backend", MB, "compile.backend=aot_eager"),
+    run("budget-eager", "compile.backend", MB, "compile.backend=eager"),
     run("budget-above-1", "ac.memory_budget", MB, "ac.memory_budget=1.5"),
+    run("budget-negative", "ac.memory_budget", MB, "ac.memory_budget=-0.1"),
     run("budget-nan", "ac.memory_budget", MB, "ac.memory_budget=nan"),
     run("budget-string", "ac.memory_budget", MB, "ac.memory_budget=abc"),
     run("budget-sweep", "ac.memory_budget", MB, "ac.memory_budget=sweep"),
     run("budget-per-block-too-few", "ac.memory_budget", MB, "ac.memory_budget=0.3*3"),
     run("budget-per-block-out-of-range", "ac.memory_budget", MB, "ac.memory_budget=0.3*2+1.2*2"),
     run("selective-word", "ac.selective_option", "ac=selective", "ac.selective_option=sometimes"),
+    run("selective-zero", "ac.selective_option", "ac=selective", "ac.selective_option=0"),
     run("force-recompute-unread", "ac.force_recompute_modules", "ac.force_recompute_modules=[feed_forward.w2]"),
     run("force-recompute-no-match", "ac.force_recompute_modules", "ac=selective",
         "ac.force_recompute_modules=[no_such_module]"),
@@ -150,8 +157,10 @@ CASES = [
     run("online-without-api-key", "logger.mode", "logger=wandb", "logger.mode=online", WANDB_API_KEY=""),
     # ---- checkpoints
     run("checkpoint-every-zero", "checkpoint.every_steps", "checkpoint.every_steps=0"),
+    run("checkpoint-keep-zero", "checkpoint.keep", "checkpoint.keep=0"),
     run("resume-missing", "checkpoint.resume", "checkpoint.resume=/nonexistent/step_0000010"),
     # ---- data and tokenizer files ({tmp}: a folder of prepared bad files)
+    run("prefetch-negative", "data.prefetch", "data.prefetch=-1"),
     run("text-without-path", "data.path", "data=text"),
     run("text-missing-path", "data.path", "data=text", "data.path=/nonexistent"),
     run("text-empty-file", "data.path", "data=text", "data.path={tmp}/empty.txt"),
@@ -207,6 +216,9 @@ def reject(case: Case, files: Path, run_dir: Path, monkeypatch) -> str:
     message = str(err.value)
     assert message.startswith(case.key), f"the error does not start with the key {case.key!r}: {message!r}"
     assert "\n" not in message, f"not one line: {message!r}"
+    key, _, value = case.overrides[-1].partition("=") if case.overrides else ("", "", "")
+    if key == case.key:  # the value given is named too
+        assert value.replace("{tmp}", str(files)).lower().strip("[]") in message.lower(), message
     return message
 
 

@@ -18,7 +18,7 @@ import membudget.checkpoint as checkpoint_module
 from membudget.checkpoint import MANIFEST, Checkpointer, config_changes, read_train_state, verify
 from membudget.errors import UserError
 from membudget.schema import CheckpointConfig
-from tests.checkpoint_driver import SMALL, Run
+from tests.checkpoint_driver import SMALL, Run, scope
 from tests.conftest import FAST_COMPILE, ROOT, compose_cfg, subprocess_env
 
 
@@ -27,21 +27,29 @@ from tests.conftest import FAST_COMPILE, ROOT, compose_cfg, subprocess_env
 def test_resumed_run_matches_uninterrupted_run_bitwise(tmp_path, ac):
     cfg = compose_cfg(*SMALL, ac, FAST_COMPILE)
     checkpointer = Checkpointer(tmp_path, cfg.checkpoint)
-    run = Run.build(cfg)
-    run.train(3)
-    torch.rand(7)  # RNG drawn during training (dropout, sampling) moves it away from the seeded state
-    run.save(checkpointer, 3)
-    rand_after_save = torch.rand(4)
-    uninterrupted = run.train(3)
+    with scope(cfg):
+        run = Run.build(cfg)
+        run.train(3)
+        torch.rand(7)  # RNG drawn during training (dropout, sampling) moves it away from the seeded state
+        run.save(checkpointer, 3)
+        rand_after_save = torch.rand(4)
+        uninterrupted = run.train(3)
 
-    resumed = Run.build(cfg)
-    path, state = resumed.load(checkpointer)
-    assert state["step"] == 3 and state["extra"] == {"data": {"step": 3, "epoch": 0, "doc": 0, "offset": 0}}
-    assert torch.equal(torch.rand(4), rand_after_save)
-    assert resumed.train(3) == uninterrupted
+        resumed = Run.build(cfg)
+        path, state = resumed.load(checkpointer)
+        assert state["step"] == 3 and state["extra"] == {"data": {"step": 3, "epoch": 0, "doc": 0, "offset": 0}}
+        assert torch.equal(torch.rand(4), rand_after_save)
+        assert resumed.train(3) == uninterrupted
     assert resumed.scheduler.get_last_lr() == run.scheduler.get_last_lr()
     for a, b in zip(resumed.model.parameters(), run.model.parameters(), strict=True):
         assert torch.equal(a, b)
+    if ac == "ac=memory_budget":  # the budget (0.5) took effect: the compiled blocks keep less than at 1.0
+        whole = compose_cfg(*SMALL, ac, FAST_COMPILE, "ac.memory_budget=1.0")
+        with scope(whole):
+            unbudgeted = Run.build(whole)
+            unbudgeted.train(1)
+        assert run.activation_bytes[0] < 0.8 * unbudgeted.activation_bytes[0], (run.activation_bytes,
+                                                                              unbudgeted.activation_bytes)
 
 
 def tiny_run():

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import logging
 
-import pytest
-
 from tests.conftest import TINY, compose_cfg, read_summary, train_here
 
 QUICK = (*TINY, "checkpoint.enabled=false", "model.n_layers=1")
@@ -51,9 +49,3 @@ def test_debug_fast_is_a_few_quick_steps_without_checkpoints_or_wandb(tmp_path):
     assert read_summary(tmp_path)["steps"] == 3
     assert not list(tmp_path.glob("checkpoint*")) and not (tmp_path / "wandb").exists()
 
-
-@pytest.mark.parametrize("preset", ["fast", "profile", "memory_snapshot"])
-def test_debug_presets_compose_with_other_groups(preset):
-    cfg = compose_cfg(f"debug={preset}", "ac=memory_budget", "parallelism=single", "model=llama3_debug")
-    assert cfg.ac.mode == "memory_budget" and cfg.diagnostics.profile == (preset == "profile")
-    assert cfg.diagnostics.memory_snapshot == (preset == "memory_snapshot")

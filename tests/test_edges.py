@@ -15,21 +15,15 @@ from pathlib import Path
 import pytest
 
 from membudget.errors import UserError
-from tests.conftest import ROOT, TINY, read_metrics, read_summary, subprocess_env, train_here
-
+from tests.conftest import ROOT, TINY, read_metrics, read_summary, small_tmpfs, subprocess_env, train_here
 
 # --- a full disk while metrics are appended ---------------------------------------------------------------------
 
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 48 KiB tmpfs (as in issue 25)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(mount)], check=True)
-    yield mount
-    subprocess.run(["umount", str(mount)], check=False)
+    with small_tmpfs(tmp_path, "48k") as mount:
+        yield mount
 
 
 def _fill(disk: Path, leave: int) -> None:

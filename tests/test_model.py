@@ -7,6 +7,11 @@ from membudget.model import ModelArgs, Transformer, num_params, rope_frequencies
 from tests.conftest import compose_cfg
 
 
+def counted(model: torch.nn.Module) -> int:
+    """The parameters a built model holds, each once (a tied embedding once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
 def _meta_model(name: str) -> Transformer:
     cfg = compose_cfg(f"model={name}")
     with torch.device("meta"):
@@ -15,16 +20,27 @@ def _meta_model(name: str) -> Transformer:
 
 def test_llama3_8b_parameter_count_on_meta():
     model = _meta_model("llama3_8b")
-    assert num_params(model) == 8_030_261_248
+    assert num_params(model) == counted(model) == 8_030_261_248
     assert model.args.ffn_hidden == 14336
     assert model.output.weight is not model.tok_embeddings.weight  # 8B does not tie
 
 
 def test_other_llama3_sizes():
     # Meta's published counts; the 3.2 models tie the output to the embedding
-    assert num_params(_meta_model("llama3_1b")) == 1_235_814_400
-    assert num_params(_meta_model("llama3_3b")) == 3_212_749_824
-    assert num_params(_meta_model("llama3_70b")) == 70_553_706_496
+    for name, count in (("llama3_1b", 1_235_814_400), ("llama3_3b", 3_212_749_824), ("llama3_70b", 70_553_706_496)):
+        model = _meta_model(name)
+        assert num_params(model) == counted(model) == count, name
+
+
+@pytest.mark.parametrize("name", ["llama3_debug", "llama3_1b", "llama3_3b", "llama3_8b", "llama3_70b"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_parameter_formula_counts_the_built_model(name, tie):
+    """fit.parameter_count (num_params, the SLURM submitter's checkpoint sizing, the fit check) is what a built
+    model holds, tied or not."""
+    cfg = compose_cfg(f"model={name}", f"model.tie_embeddings={str(tie).lower()}")
+    with torch.device("meta"):
+        model = Transformer(ModelArgs.from_config(cfg.model))
+    assert num_params(model) == counted(model), (name, tie)
 
 
 def test_rope_scaling_only_changes_low_frequencies():
@@ -84,7 +100,7 @@ def test_tied_models_keep_the_published_counts_once_materialised(parallelism, wo
     for name, count in (("llama3_1b", 1_235_814_400), ("llama3_3b", 3_212_749_824)):
         model = _fake_materialised(name, parallelism, world)
         assert model.output.weight is model.tok_embeddings.weight, (name, parallelism)
-        assert num_params(model) == count, (name, parallelism)
+        assert num_params(model) == counted(model) == count, (name, parallelism)
 
 
 def test_tied_head_is_initialised_and_trained():
@@ -95,7 +111,7 @@ def test_tied_head_is_initialised_and_trained():
     torch.manual_seed(0)
     model = build_model(cfg, torch.device("cpu"))
     assert model.output.weight is model.tok_embeddings.weight
-    assert num_params(model) == sum(p.numel() for p in model.parameters())  # counted once
+    assert num_params(model) == counted(model) == sum(p.numel() for p in model.parameters())  # counted once
     weight = model.output.weight
     assert weight.std().item() == pytest.approx(cfg.model.dim ** -0.5, rel=0.1)  # initialised, not ~1e-40
     optimizer, _ = build_optimizer(model, cfg)
@@ -112,6 +128,7 @@ def test_norm_output_dtype_is_explicit_under_autocast():
     in fp32, CPU's in bf16: the planner's emulated GPU graph must match the GPU's)."""
     from membudget.model import RMSNorm
 
+    torch.manual_seed(0)
     norm = RMSNorm(64, eps=1e-5)
     torch.nn.init.normal_(norm.weight)
     x = torch.randn(2, 8, 64)

@@ -21,8 +21,12 @@ def checked(row) -> bool:
 
 @pytest.fixture(scope="module")
 def planned():
+    threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    return {row.id: plan_row(row, lambda overrides: compose_cfg(*overrides)) for row in rows() if checked(row)}
+    try:
+        return {row.id: plan_row(row, lambda overrides: compose_cfg(*overrides)) for row in rows() if checked(row)}
+    finally:
+        torch.set_num_threads(threads)  # not leaked into the tests that run after this module
 
 
 @pytest.mark.slow
@@ -80,17 +84,21 @@ def test_compiled_budgets_land_between_compiled_none_and_compiled_full_and_eager
     above selective op above full; compiled above eager at each AC mode."""
     from membudget.plan import plan_setting
 
-    torch.set_num_threads(2)
     row = next(r for r in timed(rows()) if r.id == "tt2412-t1-compile")
     base = [o for o in row.overrides() if not o.startswith(("ac=", "ac.", "compile."))]
 
     def seconds(*overrides):
         return plan_setting(compose_cfg(*base, *overrides)).step_seconds
 
-    eager = {mode: seconds(f"ac={mode}", "compile.enabled=false") for mode in ("none", "selective", "full")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        eager = {mode: seconds(f"ac={mode}", "compile.enabled=false") for mode in ("none", "selective", "full")}
+        compiled = {mode: seconds(f"ac={mode}", "compile.enabled=true") for mode in ("none", "full")}
+        budgets = {b: seconds("ac=memory_budget", f"ac.memory_budget={b}") for b in (0.0, 0.5, 1.0)}
+    finally:
+        torch.set_num_threads(threads)
     assert eager["none"] < eager["selective"] < eager["full"]
-    compiled = {mode: seconds(f"ac={mode}", "compile.enabled=true") for mode in ("none", "full")}
     assert all(compiled[m] < eager[m] for m in compiled)
-    for budget in (0.0, 0.5, 1.0):
-        step = seconds("ac=memory_budget", f"ac.memory_budget={budget}")
+    for budget, step in budgets.items():
         assert compiled["none"] * 0.999 <= step <= compiled["full"] * 1.001, budget

@@ -4,6 +4,7 @@ the local SLURM cluster, and the proof that it matches the grid with fewer jobs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -247,7 +248,8 @@ def test_the_search_finds_the_grids_best_tradeoff_with_fewer_jobs_and_the_planne
     deterministic: each run's measured activation bytes, and the planner's FLOPs for its setting (recompute
     read off the planned budget line at the measured bytes). The search's own decisions never look at step
     times either (the AC sampler bisects on memory)."""
-    from membudget.plan import Planner, SWEEP_BUDGETS
+    from membudget.plan import SWEEP_BUDGETS, Planner, choose
+    from membudget.plan.result import DOES_NOT_FIT, FITS, fits_within
     from membudget.trainer import train
 
     # the target: full AC's activations plus 35% of what no AC adds, between the grid's budgets 0.4 and 0.5
@@ -286,14 +288,21 @@ def test_the_search_finds_the_grids_best_tradeoff_with_fewer_jobs_and_the_planne
         return min((p for p in points if p[2] <= target), key=lambda p: p[1])
 
     grid_best, search_best = best(grid_points), best(search_points)
-    print(f"target {target:.0f} bytes; grid best {grid_best}; search best {search_best} "
-          f"with {len(trials)} jobs; search trials {sorted(search_points, key=lambda p: p[2])}")
     assert search_best[1] <= 1.05 * grid_best[1]
+    # the figures the README quotes (deterministic: measured activation bytes, planned FLOPs, a bisecting sampler)
+    assert len(trials) == 11, [t["setting"] for t in trials]
+    assert search_best[0] == "memory_budget 0.4375" and search_best[2] == 690_948, search_best
+    assert grid_best[0] == "memory_budget 0.4" and grid_best[2] == 625_412, grid_best
+    assert 1 - search_best[1] / grid_best[1] == pytest.approx(0.023, abs=0.001), (search_best, grid_best)  # cheaper
 
-    # the planner's choice for the same target, by auto's rule: the least recompute whose planned activations fit
-    # (on CPU the memory searched is activation bytes, so that is the target's meaning here)
-    auto = min((p for k, p in plans.items() if k.startswith("memory_budget") and p.activations <= target),
-               key=lambda p: (p.recompute_flops, -p.memory_budget))
+    # the planner's own choice for the same target: its `fits` rule and its `choose` (what ac.memory_budget=auto
+    # runs), held against the planned activations, which is what the target means on a CPU (the search's memory);
+    # every budget's allocated peak is the optimizer step's here, the same for all
+    budget_plans = [dataclasses.replace(p, limit=int(target), verdict=FITS if fits_within(p.activations, int(target))
+                                        else DOES_NOT_FIT)
+                    for k, p in plans.items() if k.startswith("memory_budget")]
+    auto = choose(budget_plans)
+    assert auto is not None and auto.memory_budget == 0.4  # as the README says
     auto_step = _predicted_step(plans, "memory_budget", auto.activations)
     measured = next(p for p in grid_points if p[0] == f"memory_budget {auto.memory_budget!r}")
     assert measured[2] <= target  # the run of auto's budget fits as planned
