@@ -18,6 +18,12 @@ from membudget.units import GiB
 log = logging.getLogger("membudget")
 
 
+# Bytes of fp32 training state per parameter: its weight, its gradient and AdamW's two moments. A checkpoint holds
+# the weights and the moments.
+WEIGHT_BYTES, GRADIENT_BYTES, ADAMW_BYTES = 4, 4, 8
+CHECKPOINT_BYTES_PER_PARAMETER = WEIGHT_BYTES + ADAMW_BYTES
+
+
 def parameter_count(m) -> int:
     """Llama 3's parameters from its config (a tied output projection counted once)."""
     n_kv = m.n_kv_heads or m.n_heads
@@ -34,7 +40,8 @@ def floor_bytes(cfg, shape, world_size: int) -> dict[str, int]:
     m = cfg.model
     tokens = shape.micro_batch * shape.seq_len
     return {
-        "weights, gradients and AdamW states (fp32)": 16 * parameter_count(m) // shards,
+        "weights, gradients and AdamW states (fp32)":
+            (WEIGHT_BYTES + GRADIENT_BYTES + ADAMW_BYTES) * parameter_count(m) // shards,
         "each block's input": 4 * m.n_layers * tokens * m.dim // degrees["tp"],
         "the loss's fp32 logits": 4 * tokens * m.vocab_size // degrees["tp"],
     }

@@ -415,22 +415,18 @@ def check_same_config(config: dict, launch: Launch) -> None:
 
 # --- how early SLURM warns before a time limit ---------------------------------------------------------------
 
-# Each rank's assumed write bandwidth to the checkpoint dir when checkpoint.write_gbps is not set: a shared
-# filesystem serving the 8 ranks of a node at 2 GB/s. Too low only costs minutes at the end of a job; too
-# high loses the checkpoint that the signal is for.
-WRITE_GBPS = 0.25
 # The step in flight, the ranks' agreement to stop, submitit's requeue: before and after the save itself.
 SIGNAL_SLACK_S = 60
 
 
 def checkpoint_write_s(cfg: Any, world_size: int) -> float:
     """Seconds for the slowest rank to write its part of a checkpoint: fp32 weights and AdamW's two moments
-    (12 bytes per parameter) over the shards (dp_shard x tp; replicas write one copy), at checkpoint.write_gbps
+    (fit.CHECKPOINT_BYTES_PER_PARAMETER) over the shards (dp_shard x tp; replicas write one copy), at checkpoint.write_gbps
     per rank. A layout that does not fit the world size (a sweep's own layouts are not in the config the
     launcher sees) counts as unsharded, the most any layout writes on one rank."""
     from omegaconf import OmegaConf
 
-    from membudget.fit import parameter_count
+    from membudget.fit import CHECKPOINT_BYTES_PER_PARAMETER, parameter_count
     from membudget.rules import mesh_degrees
 
     try:
@@ -438,8 +434,8 @@ def checkpoint_write_s(cfg: Any, world_size: int) -> float:
         shards = degrees["dp_shard"] * degrees["tp"]
     except UserError:
         shards = 1
-    per_rank = 12 * parameter_count(cfg.model) / shards
-    gbps = OmegaConf.select(cfg, "checkpoint.write_gbps", default=None) or WRITE_GBPS
+    per_rank = CHECKPOINT_BYTES_PER_PARAMETER * parameter_count(cfg.model) / shards
+    gbps = OmegaConf.select(cfg, "checkpoint.write_gbps")  # the schema's default: a shared filesystem, 2 GB/s a node
     return per_rank / (gbps * 1e9)
 
 

@@ -32,7 +32,7 @@ from membudget.checkpoint import Checkpointer, config_changes, save_seconds
 from membudget.data import Prefetcher, TokenBatches, build_tokenizer, vocab_size_check
 from membudget.diagnostics import Diagnostics
 from membudget.errors import Stopped, UserError, quiet_log_file_errors
-from membudget.fit import check_fits
+from membudget.fit import CHECKPOINT_BYTES_PER_PARAMETER, WEIGHT_BYTES, check_fits
 from membudget.launch import (Heartbeat, Launch, check_same_config, init_distributed, launch_from_env, launcher_gone,
                               pick_device, warn_if_unused_allocation)
 from membudget.metrics import (
@@ -328,7 +328,8 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     _on_rank0(lock.acquire)
     stack.callback(lock.release)
     # fp32 weights and AdamW's two moments: what each rank writes per save
-    state_bytes = 3 * sum(local_tensor(p).nbytes for p in {id(p): p for p in model.parameters()}.values())
+    weights = sum(local_tensor(p).nbytes for p in {id(p): p for p in model.parameters()}.values())
+    state_bytes = weights * CHECKPOINT_BYTES_PER_PARAMETER // WEIGHT_BYTES  # the weights and AdamW's moments
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, timeout_s=cfg.checkpoint.timeout_s
                                 or save_seconds(state_bytes, cfg.checkpoint.write_gbps))
     checkpointer.check_writable()

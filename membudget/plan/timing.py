@@ -131,10 +131,8 @@ def fused_kernels(graph: list[Op]) -> list[list[Op]]:
                         anchors_down[a] |= anchors_down[b]
                         anchors_up[a] |= anchors_up[b]
             anchors_up[root(i)] |= anchors_up[i]
-        for key, _ in op.writes:
+        for key, _ in op.writes:  # views write nothing: their outputs are their inputs' allocations
             producer[key] = i
-        if op.kind == VIEW:  # a view's output is its input's allocation: no new producer
-            continue
     groups: dict[int, list[Op]] = {}
     for i, op in enumerate(graph):
         if op.kind == VIEW and op.collective is None:
