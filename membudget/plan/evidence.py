@@ -89,16 +89,16 @@ def device_entry(key: str, **changes):
 
 def fit_compute_scale(row: Row, compose) -> float:
     """The compute_scale of the row's device entry at which the row's predicted tokens/s equals the measured: a
-    compute-bound step takes a + b / compute_scale seconds, so two plans give a and b; a third checks it."""
+    compute-bound step takes a + b / compute_scale seconds, so plans at 1.0 and 0.5 give a and b.
+    tests/test_plan_evidence.py checks that the table's fitted values reproduce their rows."""
     key = row.fields["gpu"]
-    seconds = {}
+    plans = {}
     for scale in (1.0, 0.5):
         with device_entry(key, compute_scale=scale):
-            seconds[scale] = plan_row(row, compose).step_seconds
-    b = (seconds[0.5] - seconds[1.0])  # a + 2b - (a + b)
-    a = seconds[1.0] - b
-    tokens = plan_row(row, compose).tokens_per_step
-    target = tokens / (row.measured_speed * int(row.fields["gpus"]))
+            plans[scale] = plan_row(row, compose)
+    b = plans[0.5].step_seconds - plans[1.0].step_seconds  # (a + 2b) - (a + b)
+    a = plans[1.0].step_seconds - b
+    target = plans[1.0].tokens_per_step / (row.measured_speed * int(row.fields["gpus"]))
     return b / (target - a)
 
 
