@@ -13,8 +13,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from membudget.errors import (Stopped, UserError, log_error_once, one_line_hydra_errors, override_problem,
-                             quiet_log_file_errors)
+from membudget.console import log_error_once, one_line_hydra_errors, override_problem, quiet_log_file_errors
+from membudget.errors import Stopped, UserError
 from membudget.launch import launch_from_env
 from membudget.rules import validate
 from membudget.launch import register_configs

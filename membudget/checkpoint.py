@@ -41,6 +41,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from membudget.errors import UserError
+from membudget.schema import flat_keys
 from membudget.metrics import local_tensor
 
 log = logging.getLogger("membudget")
@@ -411,23 +412,13 @@ _APPLIED = ("optimizer.", "lr_schedule.", "train.steps", "train.max_grad_norm", 
             "train.max_skipped_steps")
 
 
-def _flatten(config: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_changes(saved: Optional[dict], now: dict) -> tuple[list[str], list[str], list[str]]:
     """What differs between the checkpoint's config and this run's, as (refused, applied, allowed) lists of
     `key: old -> new`. Refused: the model and the data stream; applied: optimizer, schedule, steps; allowed:
     how the math is run (AC, compile, parallelism layout), logging, checkpointing, planning."""
     if saved is None:
         return [], [], []
-    old, new = _flatten(saved), _flatten(now)
+    old, new = flat_keys(saved), flat_keys(now)
     refused, applied, allowed = [], [], []
     for key in sorted(old.keys() | new.keys()):
         if old.get(key) == new.get(key):

@@ -388,7 +388,7 @@ def check_same_config(config: dict, launch: Launch) -> None:
 
     import torch.distributed as dist
 
-    from membudget.checkpoint import _flatten
+    from membudget.schema import flat_keys
 
     if launch.world_size == 1 or not dist.is_initialized():
         return
@@ -400,7 +400,7 @@ def check_same_config(config: dict, launch: Launch) -> None:
     if not odd:
         return
     configs = [None] * launch.world_size
-    dist.all_gather_object(configs, _flatten(config))
+    dist.all_gather_object(configs, flat_keys(config))
     first = odd[0]
     ref, other = configs[0], configs[first]
     keys = sorted(k for k in ref.keys() | other.keys() if ref.get(k) != other.get(k))

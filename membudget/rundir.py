@@ -141,7 +141,7 @@ def creatable(path: Path) -> Optional[str]:
 
 class RunDirCheck(Callback):
     """A Hydra callback: a run dir that cannot be made is one line (Hydra would print a traceback making it).
-    In a multirun it also notes each job that ends in this process (membudget.errors.SweepJobs), for the
+    In a multirun it also notes each job that ends in this process (membudget.console.SweepJobs), for the
     sweep's one summary line when jobs failed."""
 
     def _check(self, key: str, path) -> None:
@@ -154,12 +154,12 @@ class RunDirCheck(Callback):
         self._check("hydra.run.dir", config.hydra.run.dir)
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        from membudget.errors import SweepJobs
+        from membudget.console import SweepJobs
 
         SweepJobs.ended = []
         self._check("hydra.sweep.dir", config.hydra.sweep.dir)
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
-        from membudget.errors import SweepJobs
+        from membudget.console import SweepJobs
 
         SweepJobs.ended.append(job_return)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 try:
     from omegaconf import MISSING
@@ -455,3 +455,14 @@ def ac_label(ac) -> str:
         option = str(_get(ac, "selective_option", "op"))
         return "selective op" if option == "op" else f"selective every {option}"
     return mode
+
+
+def flat_keys(config: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested config as {dotted key: value} (`model.dim`), for comparing two configs key by key."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

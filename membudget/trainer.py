@@ -31,7 +31,8 @@ from membudget.ac import compiler_scope
 from membudget.checkpoint import Checkpointer, config_changes, save_seconds
 from membudget.data import Prefetcher, TokenBatches, build_tokenizer, vocab_size_check
 from membudget.diagnostics import Diagnostics
-from membudget.errors import Stopped, UserError, quiet_log_file_errors
+from membudget.console import quiet_log_file_errors
+from membudget.errors import Stopped, UserError
 from membudget.fit import CHECKPOINT_BYTES_PER_PARAMETER, WEIGHT_BYTES, check_fits
 from membudget.launch import (Heartbeat, Launch, check_same_config, init_distributed, launch_from_env, launcher_gone,
                               pick_device, warn_if_unused_allocation)

@@ -26,7 +26,8 @@ from typing import Optional
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from membudget.errors import UserError, composition_error_line
+from membudget.console import composition_error_line
+from membudget.errors import UserError
 from membudget.options import group_options
 from membudget.units import GiB
 from tests.conftest import ROOT, compose_cfg, subprocess_env
@@ -205,7 +206,7 @@ def reject(case: Case, files: Path, run_dir: Path, monkeypatch) -> str:
             compose_cfg(*_overrides(case, files))
         first = str(err.value).splitlines()[0]
         assert case.key in first, f"the first line of Hydra's message does not name {case.key!r}: {first!r}"
-        # what train.py prints for it (membudget.errors.one_line_hydra_errors): one line naming the key
+        # what train.py prints for it (membudget.console.one_line_hydra_errors): one line naming the key
         line = composition_error_line(err.value)
         assert "\n" not in line and case.key in line, f"train.py's line does not name {case.key!r}: {line!r}"
         return first

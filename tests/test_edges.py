@@ -156,7 +156,7 @@ def random_bytes(n: int) -> bytes:
 # --- overrides Hydra's grammar cannot read unquoted ------------------------------------------------------------
 
 def test_unquoted_paths_with_accents_or_spaces_are_one_line_with_the_quoted_form_that_works():
-    from membudget.errors import override_problem
+    from membudget.console import override_problem
     from tests.conftest import compose_cfg
 
     accents = override_problem(["data=text", "data.path=/tmp/données.txt"])
@@ -184,7 +184,7 @@ def test_unquoted_paths_with_accents_or_spaces_are_one_line_with_the_quoted_form
 def test_an_unknown_choice_is_one_line_with_its_options(override, options):
     from hydra.errors import ConfigCompositionException
 
-    from membudget.errors import composition_error_line
+    from membudget.console import composition_error_line
     from tests.conftest import compose_cfg
 
     key, value = override.split("=")

@@ -311,7 +311,7 @@ def test_a_crashing_job_ends_the_sweep_with_an_error_naming_it(sweep):
     """Job 1 diverges: every rank stops (LossNotFinite), and the sweep ends with an error naming the job."""
     assert sweep.returncode != 0
     assert sweep.elapsed < 4 * JOB_DEADLINE_S
-    # one line: the job's error, back in the submitting process (membudget.errors.sweep_failure_line)
+    # one line: the job's error, back in the submitting process (membudget.console.sweep_failure_line)
     failure = [line for line in sweep.output.splitlines() if "error: a job of the sweep failed: job 1 [" in line]
     assert failure and "optimizer.lr=1e+20" in failure[-1] and "training diverged" in failure[-1], sweep.output[-3000:]
     assert json.loads((sweep.dir / "1" / "summary.json").read_text())["status"] == "failed"
