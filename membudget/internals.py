@@ -46,6 +46,15 @@ def functorch_config(**settings: Any) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def below_autograd() -> Iterator[None]:
+    """Run ops below the autograd key (their kernels, or fake kernels, not their composite under autograd), as
+    a custom autograd.Function's forward must to call an op whose formula it supplies itself; torch's
+    _AutoDispatchBelowAutograd guard has no public form."""
+    with torch._C._AutoDispatchBelowAutograd():
+        yield
+
+
 def functorch_supports(setting: str) -> bool:
     """Whether this torch's torch._functorch.config has `setting` (older releases lack some)."""
     import torch._functorch.config as config

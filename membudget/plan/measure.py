@@ -31,6 +31,7 @@ from membudget.ac import per_block
 from membudget.errors import UserError
 from membudget.internals import (
     FakeTensorMode,
+    below_autograd,
     cached_dtensor_sharding_propagation,
     decomposing_partitioning_backend,
     register_fake_process_group,
@@ -99,7 +100,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, normalized_shape, eps):
-        with torch._C._AutoDispatchBelowAutograd():  # the op itself (its fake kernel), not its CPU composite
+        with below_autograd():  # the op itself (its fake kernel), not its CPU composite
             out, rstd = aten._fused_rms_norm(x, normalized_shape, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.normalized_shape = normalized_shape

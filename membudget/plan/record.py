@@ -39,7 +39,7 @@ _CAUSAL = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_fl
            aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward}
 _GEMMS = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.bmm: (0, 1), aten.baddbmm: (1, 2), aten._scaled_mm: (0, 1)}
 _ATTENTION = _CAUSAL | {aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward}
-# Recorders inside `tracking()`: compiled graphs (`compiled_graph`) report their calls to them
+# Recorders inside `tracking()`: compiled graphs (`fused_graph`) report their calls to them
 _TRACKING: list["Recorder"] = []
 _COLLECTIVES = {  # op name (without namespace) -> kind
     "all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather", "allgather_": "all_gather",
@@ -169,7 +169,7 @@ class Recorder(TorchDispatchMode):
     def _exit_graph(self, outputs) -> None:
         """A graph's outputs outlive its last kernel: a marker op that reads them closes the region."""
         if self.recording and self.region is not None:
-            reads = tuple((self._ident(t), t.numel() * t.element_size()) for t in _tensors(outputs))
+            reads = tuple((self._ident(t), _size(t)) for t in _tensors(outputs))
             self.segments[-1].ops.append(Op("graph outputs", 0, 0, False, kind=VIEW, region=self.region, reads=reads))
         self.region = None
 
@@ -229,12 +229,12 @@ class Recorder(TorchDispatchMode):
         # what moves through HBM: the inputs and what is written (new outputs, or what a mutating op writes:
         # its mutated arguments, also when it returns nothing, as AdamW's _foreach_*_ and FSDP2's copy-outs do);
         # views, metadata ops and bare allocations move nothing
-        written = new or _mutated(func, args, kwargs)
-        out_args = {id(t) for t in _mutated(func, args, kwargs, outputs_only=True)}
+        mutated, out_args = _mutated(func, args, kwargs)
+        written = new or mutated
         inputs = [t for t in inputs if id(t) not in out_args]  # out= arguments are written, not read
         nbytes = 0 if packet in _NO_DATA or not written else sum(_size(t) for t in inputs + written)
         low = bool(outputs) and outputs[0].dtype in (torch.bfloat16, torch.float16)
-        kind, shape = _kind_and_shape(packet, func, args, kwargs, low)
+        kind, shape = _kind_and_shape(packet, func, args, kwargs)
         if not nbytes and kind == MEMORY:
             kind = VIEW
         elif kind == MEMORY and any(t.is_complex() for t in inputs + written):
@@ -252,18 +252,20 @@ def _size(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _mutated(func, args, kwargs, outputs_only: bool = False) -> list[torch.Tensor]:
-    """The tensors an op writes in place: its arguments that its schema marks as written (`Tensor(a!)`); with
-    `outputs_only`, only its out= arguments (which it does not read)."""
+def _mutated(func, args, kwargs) -> tuple[list[torch.Tensor], set[int]]:
+    """The tensors an op writes in place (its arguments that its schema marks as written, `Tensor(a!)`), and the
+    ids of those among them that are out= arguments, which it does not read."""
     schema = op_schema(func)
     if schema is None or not schema.is_mutable:
-        return []
-    written = []
+        return [], set()
+    written, out_args = [], set()
     for i, argument in enumerate(schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write and (argument.is_out or not outputs_only):
-            value = args[i] if i < len(args) else kwargs.get(argument.name)
-            written += _tensors(value)
-    return written
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            tensors = _tensors(args[i] if i < len(args) else kwargs.get(argument.name))
+            written += tensors
+            if argument.is_out:
+                out_args.update(id(t) for t in tensors)
+    return written, out_args
 
 
 def _rng_wrapped(func, args, out):
@@ -296,7 +298,7 @@ def fused_graph(run):
     return call
 
 
-def _kind_and_shape(packet, func, args, kwargs, low: bool) -> tuple[str, tuple]:
+def _kind_and_shape(packet, func, args, kwargs) -> tuple[str, tuple]:
     if packet in _GEMMS:
         a, b = (args[i] for i in _GEMMS[packet])
         batch = a.shape[0] if a.dim() == 3 else 1

@@ -35,6 +35,7 @@ from .trace import ATTENTION, FALLBACK, GEMM, VIEW, Collective, Op
 
 _FSDP_GROUPS = ("dp_shard", "dp_replicate")
 COMPUTE, FSDP_TRAFFIC, TP_TRAFFIC, HOST = "compute", "exposed FSDP traffic", "TP traffic", "host"
+KERNEL_KINDS = ("gemm", "attention", "memory", "fused")  # how a plan breaks down its GPU time
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,6 @@ class StepTime:
     tp_communication: float = 0.0  # TP's collectives, on the compute stream
     kernels: dict = field(default_factory=dict)  # GPU seconds by kind of kernel: gemm, attention, memory, fused
     bound: str = COMPUTE  # what bounds the step: compute, exposed FSDP traffic, TP traffic or host
-
-    @property
-    def host_stall(self) -> float:
-        """How long the GPU waited for the host to issue work."""
-        return max(0.0, self.seconds - self.compute - self.exposed_communication)
 
 
 # --- kernels -------------------------------------------------------------------------------------------------
@@ -168,13 +164,13 @@ class Cost:
     gpu: float = 0.0
     host: float = 0.0
     tp: float = 0.0
-    kernels: dict = None
-    collectives: list = None
+    kernels: dict = field(default_factory=lambda: dict.fromkeys(KERNEL_KINDS, 0.0))
+    collectives: list = field(default_factory=list)
 
 
 def cost(ops: list[Op], device: Device, degrees: dict[str, int]) -> Cost:
     e = device.efficiency
-    c = Cost(kernels={"gemm": 0.0, "attention": 0.0, "memory": 0.0, "fused": 0.0}, collectives=[])
+    c = Cost()
 
     def run(kind: str, seconds: float) -> None:
         c.gpu += seconds
@@ -245,7 +241,7 @@ def step_time(phases, device: Device, degrees: dict[str, int]) -> Optional[StepT
     previous_start = 0.0
     prefetched = 0.0  # when the all-gather the next backward block waits for is done
     busy = comm = tp = waited = 0.0
-    kernels = {"gemm": 0.0, "attention": 0.0, "memory": 0.0, "fused": 0.0}
+    kernels = dict.fromkeys(KERNEL_KINDS, 0.0)
     by_kind = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     for phase in phases:
         c = cost(phase.ops, device, degrees)
