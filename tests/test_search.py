@@ -180,7 +180,11 @@ def test_failed_jobs_are_failed_trials_and_a_rerun_continues_with_the_next_job(t
     none = trials[0]
     summary = read_summary(sweep / "0")
     assert none["values"] == [summary["median_step_time_s"], summary["activation_bytes"]]
-    assert none["memory_key"] == "activation_bytes" and none["best"]
+    assert none["memory_key"] == "activation_bytes"
+    # the front: full keeps the least memory, so it is on it; none is on it exactly when it is faster than full
+    # (CPU step times decide that, and they are noise here: assert the rule, not an outcome)
+    full = trials[1]
+    assert full["best"] and none["best"] == (none["values"][0] < full["values"][0]), (none, full)
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())  # Hydra's Optuna sweeper's summary
     assert {s["job"] for s in results["solutions"]} == {t["job"] for t in trials if t["best"]}
 
