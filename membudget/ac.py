@@ -25,13 +25,16 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from membudget.errors import UserError
 from membudget.internals import (
+    BlockWrapper,
     checkpoint_wrapper,
     dynamo_recompile_limit,
     functorch_config,
     functorch_supports,
     selective_cache,
 )
-from membudget.schema import ACMode, block_budgets
+from membudget.offload import OffloadedBlock, Offloader
+from membudget.rules import uses_budget
+from membudget.schema import ACMode, BlockPolicy, block_policies
 
 aten = torch.ops.aten
 
@@ -78,7 +81,7 @@ class SelectiveCacheSink:
             self.target(cache)
 
 
-def _selective_op_ac(block: nn.Module, cfg) -> nn.Module:
+def _selective_op_ac(block: nn.Module, cfg, offloader: Optional[Offloader] = None) -> nn.Module:
     forced = _forced_recompute_shapes(block, cfg.force_recompute_modules)
     sink = SelectiveCacheSink()
 
@@ -98,7 +101,10 @@ def _selective_op_ac(block: nn.Module, cfg) -> nn.Module:
             return CheckpointPolicy.MUST_SAVE if func in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
         forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(policy)
-        sink.add(selective_cache(forward_ctx))  # the saved outputs count as activations
+        cache = selective_cache(forward_ctx)
+        sink.add(cache)  # the saved outputs count as activations
+        if offloader is not None:  # they bypass autograd's saved tensors: offloaded on their own
+            offloader.offload_cache(cache)
         return forward_ctx, recompute_ctx
 
     wrapper = _full_ac(block, cfg, context_fn=context_fn)
@@ -106,12 +112,11 @@ def _selective_op_ac(block: nn.Module, cfg) -> nn.Module:
     return wrapper
 
 
-class BudgetedBlock(nn.Module):
+class BudgetedBlock(BlockWrapper):
     """A block whose compiled region carries its own memory budget (per-block budgets)."""
 
     def __init__(self, block: nn.Module, budget: float):
-        super().__init__()
-        self.block = block
+        super().__init__(block)
         # kept as text: Dynamo guards a string by its value, where a float attribute that differs between
         # blocks would turn symbolic on the second block, and the annotation needs a constant
         self.budget = repr(float(budget))
@@ -121,32 +126,36 @@ class BudgetedBlock(nn.Module):
             return self.block(*args, **kwargs)
 
 
-def wrap_block(block: nn.Module, layer_id: int, cfg, budget: Optional[float] = None) -> nn.Module:
-    """The AC policy of `cfg.mode` for one transformer block (`budget`: its own, per-block budgets only)."""
-    if cfg.mode == ACMode.full:
-        return _full_ac(block, cfg)
-    if cfg.mode == ACMode.selective:
-        if cfg.selective_option == "op":
-            return _selective_op_ac(block, cfg)
-        every = int(cfg.selective_option)
-        return _full_ac(block, cfg) if (layer_id + 1) % every == 0 else block
-    if budget is not None:
-        return BudgetedBlock(block, budget)
-    return block  # none, and one budget for all blocks (it lives in the compiler's config)
+def wrap_block(block: nn.Module, policy: BlockPolicy, cfg, annotate: bool = False,
+               offloader: Optional[Offloader] = None, index: int = 0) -> nn.Module:
+    """`block` under `policy`; `annotate`: a budget block's region carries its own budget (blocks differ), else
+    the budget lives in the compiler's global config; `offloader`: the model's, for an offloading policy."""
+    if policy.ac == "full":
+        block = _full_ac(block, cfg)
+    elif policy.ac == "selective":
+        block = _selective_op_ac(block, cfg, offloader if policy.offload else None)
+    elif policy.compiled and annotate:
+        block = BudgetedBlock(block, policy.budget)
+    if policy.offload:
+        block = OffloadedBlock(block, offloader, index)
+    return block
 
 
-def per_block(ac_cfg, n_layers: int) -> Optional[list[float]]:
-    """The blocks' budgets when they differ (each block's region is annotated), else None."""
-    budgets = block_budgets(ac_cfg, n_layers)
-    return budgets if budgets is not None and len(set(budgets)) > 1 else None
+def uniform_budget(policies: list[BlockPolicy]) -> Optional[float]:
+    """The one budget of a model whose blocks all have it (it goes into the compiler's global config)."""
+    if policies and all(p.compiled for p in policies) and len({p.budget for p in policies}) == 1:
+        return policies[0].budget
+    return None
 
 
 def apply_ac(model: nn.Module, cfg) -> None:
-    """Wrap each block of `model.layers` in place with the AC policy of `cfg.mode`."""
+    """Wrap each block of `model.layers` in place with its policy (schema.block_policies)."""
     blocks = list(model.layers.named_children())
-    budgets = per_block(cfg, len(blocks)) or [None] * len(blocks)
-    for layer_id, ((name, block), budget) in enumerate(zip(blocks, budgets)):
-        model.layers.register_module(name, wrap_block(block, layer_id, cfg, budget))
+    policies = block_policies(cfg, len(blocks))
+    annotate = uniform_budget(policies) is None
+    offloader = Offloader() if any(p.offload for p in policies) else None
+    for index, ((name, block), policy) in enumerate(zip(blocks, policies)):
+        model.layers.register_module(name, wrap_block(block, policy, cfg, annotate, offloader, index))
 
 
 @contextlib.contextmanager
@@ -159,7 +168,7 @@ def compiler_scope(ac_cfg, run_dir: Optional[Path] = None, n_layers: Optional[in
     annotate each block instead; blocks with equal budgets share a compiled graph.
     """
     settings, graphs = {}, 8
-    if ac_cfg.mode == ACMode.memory_budget:
+    if uses_budget(ac_cfg) and not (ac_cfg.mode == ACMode.per_block and ac_cfg.blocks == "auto"):
         settings = dict(
             activation_memory_budget_solver=str(ac_cfg.solver),
             activation_memory_budget_runtime_estimator=str(ac_cfg.runtime_estimator),
@@ -169,11 +178,12 @@ def compiler_scope(ac_cfg, run_dir: Optional[Path] = None, n_layers: Optional[in
         # activation memory, so zero is its true size for the knapsack. (torch 2.11 lacks the setting.)
         if functorch_supports("unsafe_treat_script_objects_as_zero_size"):
             settings["unsafe_treat_script_objects_as_zero_size"] = True
-        budgets = per_block(ac_cfg, n_layers) if n_layers is not None else None
-        if budgets is None:
-            settings["activation_memory_budget"] = block_budgets(ac_cfg, n_layers or 1)[0]
-        else:
-            graphs = len(set(budgets)) + 2
+        policies = block_policies(ac_cfg, n_layers or 1)
+        budget = uniform_budget(policies)
+        if budget is not None:
+            settings["activation_memory_budget"] = budget
+        else:  # each budget block's region carries its budget; blocks of one policy share a compiled graph
+            graphs = len(set(policies)) + 2
         if ac_cfg.visualize_pareto and run_dir is not None:
             settings["memory_budget_pareto_dir"] = str(Path(run_dir) / "memory_budget_pareto")
     torch.compiler.reset()

@@ -34,6 +34,9 @@ class Efficiency:
     nccl_bus_network: float  # across nodes, per GPU's NIC
     nccl_latency: float  # seconds per collective (start-up, as PyTorch sees it)
     nccl_sm_share: float  # share of the multiprocessors NCCL's kernels hold while they overlap compute
+    # pinned host<->device copies' share of the host link, each way: below PCIe's ~0.89 protocol ceiling; not yet
+    # measured (sources.md 5b: gpu_check.py --sections offload measures it)
+    host_link: float = 0.80
 
 
 # Hopper's attention and elementwise shares are this project's own measurement of PyTorch's kernels on an H200
@@ -64,6 +67,9 @@ class Device:
     hbm_bandwidth: float = 0.0  # bytes/s
     intra_node_bandwidth: float = 0.0  # NVLink (or PCIe), bytes/s each way per GPU
     inter_node_bandwidth: float = 50e9  # 400 Gb/s InfiniBand/RoCE per GPU, the common H100/A100 cluster fabric
+    # the GPU's link to host memory, bytes/s each way: PCIe 5.0 x16 (64 GB/s) on Hopper and on HGX B200, whose
+    # hosts are PCIe 5.0; PCIe 4.0 x16 (32 GB/s) on Ampere and Ada (data sheets, docs/planner/sources.md)
+    host_link_bandwidth: float = 64e9
     gpus_per_node: int = 8
     capability: tuple[int, int] = (0, 0)
     sms: int = 0  # streaming multiprocessors
@@ -98,16 +104,16 @@ GPUS = {
                    sms=148, tdp_w=1000, efficiency=BLACKWELL, cuda_names=("NVIDIA B200",)),
     "A100-80GB": Device("A100 80GB (SXM)", int(79.2 * GiB), 312e12, 19.5e12, 2.04e12, 300e9, capability=(8, 0),
                         sms=108, tdp_w=400, efficiency=AMPERE,
-                        cuda_names=("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe")),
+                        host_link_bandwidth=32e9, cuda_names=("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe")),
     "A100-40GB": Device("A100 40GB (SXM)", int(39.4 * GiB), 312e12, 19.5e12, 1.56e12, 300e9, capability=(8, 0),
                         sms=108, tdp_w=400, efficiency=AMPERE,
-                        cuda_names=("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB")),
+                        host_link_bandwidth=32e9, cuda_names=("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB")),
     "H800-PCIe": Device("H800 PCIe 80GB", int(79.1 * GiB), 756e12, 51e12, 2.0e12, 64e9, capability=(9, 0),
                         sms=114, tdp_w=350, cuda_names=("NVIDIA H800 PCIe",)),
     "L40S": Device("L40S 48GB", int(44.4 * GiB), 362e12, 91.6e12, 0.864e12, 64e9, capability=(8, 9), sms=142,
-                   tdp_w=350, efficiency=AMPERE, cuda_names=("NVIDIA L40S",)),
+                   tdp_w=350, efficiency=AMPERE, host_link_bandwidth=32e9, cuda_names=("NVIDIA L40S",)),
     "A10": Device("A10 24GB", int(22.1 * GiB), 125e12, 31.2e12, 0.6e12, 32e9, capability=(8, 6), sms=72,
-                  tdp_w=150, efficiency=AMPERE, cuda_names=("NVIDIA A10",)),
+                  tdp_w=150, efficiency=AMPERE, host_link_bandwidth=32e9, cuda_names=("NVIDIA A10",)),
 }
 
 # Entries at a power limit below TDP: the data sheet's part, with the tensor-core rate that limit sustains.

@@ -12,7 +12,7 @@ import logging
 
 from membudget.errors import UserError
 from membudget.rules import mesh_degrees
-from membudget.schema import ffn_hidden_size
+from membudget.schema import ACMode, block_policies, ffn_hidden_size
 from membudget.units import GiB
 
 log = logging.getLogger("membudget")
@@ -77,3 +77,27 @@ def check_fits(cfg, shape, device: torch.device, world_size: int, local_ranks: i
         f"{parts[worst] / GiB:.1f} GiB) but {what} is {have / GiB:.1f} GiB; use a smaller model or "
         "train.micro_batch_size / train.seq_len, or shard over more ranks; `python -m membudget.plan` with the "
         "same overrides predicts the peak")
+
+
+def check_host_fits(cfg, shape, device: torch.device, world_size: int, local_ranks: int = 1) -> None:
+    """Offloading blocks hold what they save in pinned host memory, at least each one's input (bf16), for every
+    rank on this host: refused in one line when the host has not that much available, or cannot pin it. On a
+    CPU nothing is copied (offloading saves nothing there)."""
+    policies = block_policies(cfg.ac, cfg.model.n_layers)
+    offloaded = sum(p.offload for p in policies)
+    if not offloaded or device.type != "cuda":
+        return
+    import psutil
+
+    from membudget.offload import check_pinned_memory, host_bytes_needed
+
+    tp = mesh_degrees(cfg.parallelism, world_size)["tp"]
+    per_rank = host_bytes_needed([2 * shape.micro_batch * shape.seq_len * cfg.model.dim // tp] * offloaded)
+    key, value = ("ac.blocks", cfg.ac.blocks) if cfg.ac.mode == ACMode.per_block else ("ac", "offload")
+    have = psutil.virtual_memory().available
+    if per_rank * local_ranks > have:
+        raise UserError(
+            f"{key}={value}: {offloaded} offloading blocks need at least {per_rank * local_ranks / GiB:.1f} GiB of "
+            f"host memory for the {local_ranks} ranks on this host, which has {have / GiB:.1f} GiB available; "
+            "offload fewer blocks (ac=per_block), or use a smaller train.micro_batch_size")
+    check_pinned_memory(per_rank, key, value)

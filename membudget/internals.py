@@ -24,9 +24,24 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 # torch.distributed.algorithms._checkpoint: the module wrapper around torch.utils.checkpoint that
 # torchtitan and FSDP use; the public alternative is calling torch.utils.checkpoint in forward ourselves.
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401
+    ActivationWrapper,
     CheckpointWrapper,
     checkpoint_wrapper,
 )
+
+
+class BlockWrapper(ActivationWrapper):
+    """A module around one block (a per-block budget, offloading) that checkpoints and state dicts see through,
+    as they see through torch's own checkpoint wrapper (its base): parameters keep the block's own names, so a
+    checkpoint loads under any other AC setting."""
+
+    @property
+    def block(self) -> torch.nn.Module:
+        return self._checkpoint_wrapped_module
+
+    def replace_block(self, block: torch.nn.Module) -> None:
+        self._checkpoint_wrapped_module = block
+
 
 # torch.utils._python_dispatch.TorchDispatchMode: a mode that sees every op below autograd (the planner's recorder);
 # torch has no public base class for one.

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from membudget.devices import GPUS, by_cuda_name
 from membudget.internals import CheckpointWrapper, storage_key, tqdm_logging_handlers, tree_leaves, view_base
+from membudget.offload import find_offloader
 
 log = logging.getLogger("membudget")
 
@@ -57,6 +58,7 @@ class ActivationCounter:
         self._block: Optional[int] = None
         self.last_per_block: dict[Optional[int], int] = {}
         self._sinks = []
+        self._offloader = find_offloader(model)  # an offloading block's checkpointed inputs leave the device
         layers = getattr(model, "layers", {})
         for index, block in enumerate(layers.values() if hasattr(layers, "values") else ()):
             block.register_forward_pre_hook(lambda m, a, i=index: self._enter(i))
@@ -84,7 +86,7 @@ class ActivationCounter:
         # Dynamo must not trace this hook: is_compiling() folds it away there.
         if torch.compiler.is_compiling():
             return
-        if self._counting and torch.is_grad_enabled():
+        if self._counting and torch.is_grad_enabled() and not (self._offloader and self._offloader.offloading):
             for a in tree_leaves(args):
                 self._add(a)
 
@@ -245,6 +247,20 @@ def append_line(path: Path, line: str) -> None:
         os.close(fd)
 
 
+def wandb_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row as W&B charts it: a list (bytes per block) as one series per entry, `key/0`, `key/1`, ...
+    (block 0 at the bottom); nothing for a value the run does not have."""
+    out = {}
+    for key, value in row.items():
+        if key == "step" or value is None:
+            continue
+        if isinstance(value, list):
+            out.update({f"{key}/{i}": v for i, v in enumerate(value)})
+        else:
+            out[key] = value
+    return out
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl and forwards it to W&B."""
 
@@ -256,8 +272,7 @@ class MetricsWriter:
         row = finite_row(row)
         append_line(self.path, json.dumps(row, allow_nan=False))
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in row.items() if k != "step" and not isinstance(v, list)},
-                               step=row["step"])
+            self.wandb_run.log(wandb_row(row), step=row["step"])
 
 
 def init_wandb(cfg, run_dir: Path, group: Optional[str], resume_id: Optional[str] = None):

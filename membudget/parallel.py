@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from membudget.ac import apply_ac
+from membudget.offload import OffloadedBlock
 from membudget.internals import wait_tensor
 from membudget.launch import Launch
 from membudget.rules import compile_enabled, mesh_degrees
@@ -98,11 +99,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def apply_compile(model: nn.Module, cfg, backend=None) -> None:
-    """Compile each block with `backend` (a torch.compile backend; default: compile.backend's)."""
+    """Compile each block with `backend` (a torch.compile backend; default: compile.backend's). An offloaded
+    block's hooks stay outside: the block inside it is compiled, and its saved tensors still pass through them."""
+    def compiled(block: nn.Module) -> nn.Module:
+        return torch.compile(block, backend=backend or str(cfg.compile.backend), fullgraph=cfg.compile.fullgraph)
+
     for name, block in list(model.layers.named_children()):
-        model.layers.register_module(
-            name, torch.compile(block, backend=backend or str(cfg.compile.backend), fullgraph=cfg.compile.fullgraph)
-        )
+        if isinstance(block, OffloadedBlock):
+            block.replace_block(compiled(block.block))
+        else:
+            model.layers.register_module(name, compiled(block))
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg, device: torch.device) -> None:

@@ -16,12 +16,15 @@ from typing import Any
 from membudget.errors import UserError
 from membudget.schema import (
     BUDGET_BACKENDS,
+    POLICY_NAMES,
     ACMode,
     RunConfig,
     Solver,
+    block_policies,
     budget_of,
     ffn_hidden_size,
     parse_block_budgets,
+    parse_block_policies,
 )
 
 # torch.manual_seed takes at most 64 bits
@@ -34,10 +37,18 @@ def fail(key: str, value: Any, fix: str) -> None:
 
 
 def compile_enabled(cfg: Any) -> bool:
-    """Whether blocks are compiled: the explicit setting, else on exactly for ac=memory_budget."""
+    """Whether blocks are compiled: the explicit setting, else on exactly when a block has a memory budget
+    (ac=memory_budget; ac=per_block with a budget:<b> block or auto, which may choose one)."""
     if cfg.compile.enabled is None:
-        return cfg.ac.mode == ACMode.memory_budget
+        return uses_budget(cfg.ac)
     return bool(cfg.compile.enabled)
+
+
+def uses_budget(ac: Any) -> bool:
+    """Whether a block's activations are left to the compiler's memory budget."""
+    if ac.mode == ACMode.per_block:
+        return str(ac.blocks) == "auto" or any(p.compiled for p in parse_block_policies(ac.blocks))
+    return ac.mode == ACMode.memory_budget
 
 
 def mesh_degrees(p: Any, world_size: int) -> dict[str, int]:
@@ -110,15 +121,24 @@ def check_ac(cfg: Any) -> None:
         if opt != "op" and not (opt.isdigit() and int(opt) > 0):
             fail("ac.selective_option", ac.selective_option,
                  "use 'op' for the per-op policy or a positive integer N to fully checkpoint every N-th block")
-    if ac.force_recompute_modules and not (ac.mode == ACMode.selective and str(ac.selective_option) == "op"):
+    if ac.mode == ACMode.per_block:
+        check_block_policies(cfg)
+    selective_op = ((ac.mode == ACMode.selective and str(ac.selective_option) == "op")
+                    or (ac.mode == ACMode.offload and ac.offload_with == "selective")
+                    or (ac.mode == ACMode.per_block and "selective" in str(ac.blocks)))
+    if ac.force_recompute_modules and not selective_op:
         fail("ac.force_recompute_modules", list(ac.force_recompute_modules),
-             "only ac=selective with ac.selective_option=op reads it; drop it, or use ac=selective")
-    if ac.mode != ACMode.memory_budget:
+             "only selective op reads it (ac=selective, a selective block of ac=per_block, ac.offload_with="
+             "selective); drop it, or use ac=selective")
+    if ac.offload_with != "none" and ac.mode != ACMode.offload:
+        fail("ac.offload_with", ac.offload_with, "only ac=offload reads it; drop it, or use ac=offload")
+    if not uses_budget(ac):
         return
-    check_budget(cfg)
+    if ac.mode == ACMode.memory_budget:
+        check_budget(cfg)
     if cfg.compile.enabled is False:
-        fail("compile.enabled", False,
-             "ac=memory_budget works inside the compiler: drop compile.enabled=false (it turns compile on)")
+        fail("compile.enabled", False, f"{_budget_key(ac)} works inside the compiler: drop compile.enabled=false "
+             "(it turns compile on)")
     if cfg.compile.backend not in BUDGET_BACKENDS:
         fail("compile.backend", cfg.compile.backend, "this backend's partitioner ignores the memory budget: use "
              "compile.backend=inductor (or aot_eager_decomp_partition for fast CPU tests)")
@@ -132,6 +152,31 @@ def check_ac(cfg: Any) -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             fail("ac.visualize_pareto", True, "the Pareto plots need matplotlib: pip install matplotlib")
+
+
+def _budget_key(ac: Any) -> str:
+    return f"ac.blocks={ac.blocks}" if ac.mode == ACMode.per_block else "ac=memory_budget"
+
+
+def check_block_policies(cfg: Any) -> None:
+    """ac.blocks: one known policy per block, budgets in [0, 1], or auto."""
+    ac, n = cfg.ac, cfg.model.n_layers
+    if str(ac.blocks) == "auto":
+        if ac.target_memory_gib is not None and not 0 < ac.target_memory_gib < math.inf:
+            fail("ac.target_memory_gib", ac.target_memory_gib, "set a positive number of GiB per rank")
+        return
+    try:
+        policies = parse_block_policies(ac.blocks)
+    except ValueError:
+        fail("ac.blocks", ac.blocks, f"give policy*count terms of {POLICY_NAMES}, one policy per block, e.g. "
+             f"ac.blocks='full*{n // 2}+budget:0.3*{n - n // 2}'")
+    if len(policies) != n:
+        fail("ac.blocks", ac.blocks, f"gives {len(policies)} policies but model.n_layers={n}; give one per block, "
+             f"e.g. ac.blocks='full*{n // 2}+none*{n - n // 2}'")
+    for p in policies:
+        if p.compiled and (math.isnan(p.budget) or not 0.0 <= p.budget <= 1.0):
+            fail("ac.blocks", ac.blocks, "budgets are numbers in [0, 1] (budget:0.0 recomputes the whole compiled "
+                 f"block, budget:1.0 is the default plan), e.g. ac.blocks='budget:0.3*{n}'")
 
 
 def check_budget(cfg: Any, planning: bool = False) -> None:
@@ -203,8 +248,8 @@ def check_parallelism(cfg: Any, world_size: int) -> None:
                           ("train.seq_len", cfg.train.seq_len)):
             if size % tp:
                 fail("parallelism.tp", tp, f"must divide {key}={size}; choose a divisor of it")
-        full_blocks = cfg.ac.mode == ACMode.full or (cfg.ac.mode == ACMode.selective
-                                                     and str(cfg.ac.selective_option) != "op")
+        full_blocks = not (cfg.ac.mode == ACMode.per_block and str(cfg.ac.blocks) == "auto") and any(
+            p.ac == "full" for p in block_policies(cfg.ac, cfg.model.n_layers))
         if full_blocks and compile_enabled(cfg):
             # torch 2.13: AOTAutograd saves the TP mesh among a compiled checkpoint's tensors and fails in backward
             fail("compile.enabled", True, f"torch {_torch_version()} cannot compile fully checkpointed blocks under "

@@ -33,6 +33,14 @@ class ACMode(Choice):
     full = "full"
     selective = "selective"
     memory_budget = "memory_budget"
+    offload = "offload"
+    per_block = "per_block"
+
+
+class OffloadWith(Choice):
+    none = "none"
+    selective = "selective"
+    full = "full"
 
 
 class CompileBackend(Choice):
@@ -172,7 +180,8 @@ def ffn_hidden_size(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[flo
 class ACConfig:
     mode: ACMode = ACMode.none
     """none: keep every activation | full: recompute each block | selective: per op or every N-th block |
-    memory_budget: the compiler's min-cut partitioner keeps a fraction of the activations."""
+    memory_budget: the compiler's min-cut partitioner keeps a fraction of the activations | offload: each block's
+    saved activations wait in pinned host memory | per_block: a policy per block (ac.blocks)."""
     preserve_rng_state: bool = True
     """full/selective: replay the RNG in recompute exactly."""
     determinism_check: DeterminismCheck = DeterminismCheck.default
@@ -197,6 +206,13 @@ class ACConfig:
     """memory_budget: how the partitioner prices recompute (profile benchmarks each op; GPU only)."""
     visualize_pareto: bool = False
     """memory_budget: SVGs of memory against recompute into <run dir>/memory_budget_pareto/ (matplotlib)."""
+    offload_with: OffloadWith = OffloadWith.none
+    """offload: what else each block does: none (offload every activation it saves), selective or full (offload
+    what that policy saves)."""
+    blocks: str = "none"
+    """per_block: each block's policy, bottom first, as policy*count terms, one policy per block in all:
+    "full*4+budget:0.3*20+none*8". Policies: none | full | selective (op) | budget:<b> (compiled with that memory
+    budget) | offload | offload:selective | offload:full; auto: the planner's fastest assignment that fits."""
 
 
 @dataclass
@@ -412,6 +428,72 @@ def budget_of(ac) -> Optional[Union[float, str]]:
     return _get(ac, "memory_budget") if str(_get(ac, "mode")) == ACMode.memory_budget else None
 
 
+@dataclass(frozen=True)
+class BlockPolicy:
+    """What one block does with its activations: its AC (none, full, selective op, or a compiled memory budget)
+    and whether what it saves waits in host memory."""
+
+    ac: str = "none"  # none | full | selective | budget
+    budget: Optional[float] = None  # ac == "budget" only
+    offload: bool = False
+
+    def __str__(self) -> str:
+        ac = f"budget:{self.budget:g}" if self.ac == "budget" else self.ac
+        if not self.offload:
+            return ac
+        return "offload" if ac == "none" else f"offload:{ac}"
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the policy lives in the compiler (a memory budget)."""
+        return self.ac == "budget"
+
+    @classmethod
+    def parse(cls, text: str) -> "BlockPolicy":
+        """"full", "budget:0.3", "offload:selective" -> a policy; ValueError when it is none of them."""
+        offload = text == "offload" or text.startswith("offload:")
+        ac = text.partition(":")[2] if text.startswith("offload:") else ("none" if offload else text)
+        if ac.startswith("budget:"):
+            if offload:
+                raise ValueError(text)  # hooks around a compiled region's saved tensors: not offered
+            return cls("budget", float(ac.partition(":")[2]))
+        if ac not in ("none", "full", "selective") or (offload and ac == "none" and text != "offload"):
+            raise ValueError(text)
+        return cls(ac, None, offload)
+
+
+POLICY_NAMES = "none, full, selective, budget:<b>, offload, offload:selective, offload:full"
+
+
+def parse_block_policies(text: str) -> list[BlockPolicy]:
+    """"full*4+budget:0.3*2" -> four full blocks then two at budget 0.3. ValueError when malformed."""
+    policies: list[BlockPolicy] = []
+    for term in str(text).replace(" ", "").split("+"):
+        name, _, count = term.partition("*")
+        policies += [BlockPolicy.parse(name)] * (int(count) if count else 1)
+    return policies
+
+
+def compact_policies(policies: list[BlockPolicy]) -> str:
+    """The shortest spelling of per-block policies: "full*4+budget:0.3*2"."""
+    return _compact([str(p) for p in policies], str)
+
+
+def block_policies(ac, n_layers: int) -> list[BlockPolicy]:
+    """Each block's policy under any AC setting (None for ac.blocks=auto, which the planner decides)."""
+    mode = str(_get(ac, "mode", "none"))
+    if mode == ACMode.per_block:
+        return parse_block_policies(_get(ac, "blocks"))
+    if mode == ACMode.memory_budget:
+        return [BlockPolicy("budget", b) for b in block_budgets(ac, n_layers)]
+    if mode == ACMode.offload:
+        return [BlockPolicy(str(_get(ac, "offload_with", "none")), None, True)] * n_layers
+    if mode == ACMode.selective and str(_get(ac, "selective_option", "op")) != "op":
+        every = int(_get(ac, "selective_option"))
+        return [BlockPolicy("full" if (i + 1) % every == 0 else "none") for i in range(n_layers)]
+    return [BlockPolicy(mode)] * n_layers
+
+
 def parse_block_budgets(text: str) -> list[float]:
     """"0.3*8+0.6*24" -> eight 0.3s then twenty-four 0.6s; "0.2+0.4" -> [0.2, 0.4]. ValueError when malformed."""
     budgets: list[float] = []
@@ -435,13 +517,17 @@ def compact_budgets(budgets: list[float]) -> Union[float, str]:
     """The shortest spelling of per-block budgets: one number when all agree, else "0.3*8+0.6*24"."""
     if len(set(budgets)) == 1:
         return budgets[0]
+    return _compact(budgets, lambda b: f"{b:g}")
+
+
+def _compact(values: list, spell) -> str:
     runs: list[list] = []
-    for b in budgets:
-        if runs and runs[-1][0] == b:
+    for v in values:
+        if runs and runs[-1][0] == v:
             runs[-1][1] += 1
         else:
-            runs.append([b, 1])
-    return "+".join(f"{b:g}*{n}" if n > 1 else f"{b:g}" for b, n in runs)
+            runs.append([v, 1])
+    return "+".join(f"{spell(v)}*{n}" if n > 1 else spell(v) for v, n in runs)
 
 
 def ac_label(ac) -> str:
@@ -454,6 +540,11 @@ def ac_label(ac) -> str:
     if mode == ACMode.selective:
         option = str(_get(ac, "selective_option", "op"))
         return "selective op" if option == "op" else f"selective every {option}"
+    if mode == ACMode.offload:
+        with_ = str(_get(ac, "offload_with", "none"))
+        return "offload" if with_ == "none" else f"offload {with_}"
+    if mode == ACMode.per_block:
+        return f"per_block {_get(ac, 'blocks')}"
     return mode
 
 

@@ -33,7 +33,7 @@ from membudget.data import Prefetcher, TokenBatches, build_tokenizer, vocab_size
 from membudget.diagnostics import Diagnostics
 from membudget.console import quiet_log_file_errors
 from membudget.errors import Stopped, UserError
-from membudget.fit import CHECKPOINT_BYTES_PER_PARAMETER, WEIGHT_BYTES, check_fits
+from membudget.fit import CHECKPOINT_BYTES_PER_PARAMETER, WEIGHT_BYTES, check_fits, check_host_fits
 from membudget.launch import (Heartbeat, Launch, check_same_config, init_distributed, launch_from_env, launcher_gone,
                               pick_device, warn_if_unused_allocation)
 from membudget.metrics import (
@@ -50,10 +50,11 @@ from membudget.metrics import (
     write_json,
 )
 from membudget.model import num_params
+from membudget.offload import find_offloader
 from membudget.parallel import all_reduce, broadcast_object, build_mesh, clip_grad_norm, dp_coordinates, gradient_sync
 from membudget.rules import compile_enabled, validate
 from membudget.rundir import RunDirLock, start_fresh
-from membudget.schema import ACMode, NonFinite, ac_label, budget_of
+from membudget.schema import ACMode, NonFinite, ac_label, block_policies, budget_of, compact_policies
 from membudget.step import Numerics, StepShape, build_model, build_optimizer, forward_backward
 
 log = logging.getLogger("membudget")
@@ -295,8 +296,10 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     if launch.world_size == 1 and cfg.parallelism.name != "single":
         log.warning("parallelism=%s on one process: nothing is sharded or replicated; launch it with "
                     "`torchrun --nproc-per-node N train.py ...` or `srun`", cfg.parallelism.name)
-    if cfg.ac.mode == ACMode.memory_budget and cfg.ac.memory_budget == "auto":
-        _choose_budget(cfg, launch)
+    if (cfg.ac.mode == ACMode.memory_budget and cfg.ac.memory_budget == "auto") or (
+            cfg.ac.mode == ACMode.per_block and cfg.ac.blocks == "auto"):
+        _choose_setting(cfg, launch)
+        validate(cfg, launch.world_size)  # the choice too: e.g. full blocks compiled under TP
     device = pick_device(str(cfg.train.device), launch)
     init_distributed(launch, device, cfg.parallelism.timeout_s)  # once per process: a multirun's jobs share it
     quiet_console(launch.is_main)
@@ -308,7 +311,9 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     shape = StepShape.from_config(cfg, launch.world_size)
     numerics = Numerics.for_target(cfg, device.type, torch.cuda.get_device_capability(device)
                                    if device.type == "cuda" else (0, 0))
-    check_fits(cfg, shape, device, launch.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    check_fits(cfg, shape, device, launch.world_size, local_ranks)
+    check_host_fits(cfg, shape, device, launch.world_size, local_ranks)
 
     tokenizer = build_tokenizer(cfg.tokenizer)
     vocab_size_check(tokenizer, cfg.model.vocab_size)
@@ -352,14 +357,15 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
                peak_flops=device_peak_flops(device, numerics.bf16, cfg.train.peak_flops))
 
 
-def _choose_budget(cfg, launch: Launch) -> None:
-    """ac.memory_budget=auto: planned on fake tensors before the real process group exists; every rank gets
-    the same answer."""
-    from membudget.plan import choose_budget
+def _choose_setting(cfg, launch: Launch) -> None:
+    """ac.memory_budget=auto or ac.blocks=auto: planned on fake tensors before the real process group exists;
+    every rank gets the same answer."""
+    from membudget.plan import choose_setting
 
-    budget, plan = choose_budget(cfg, launch.world_size)
-    cfg.ac.memory_budget = budget
-    log.info("ac.memory_budget=auto -> %s: %s", budget, plan.summary_line())
+    choice, plan = choose_setting(cfg, launch.world_size)
+    key = "blocks" if cfg.ac.mode == ACMode.per_block else "memory_budget"
+    setattr(cfg.ac, key, choice)
+    log.info("ac.%s=auto -> %s: %s", key, choice, plan.summary_line())
 
 
 # --- one step ------------------------------------------------------------------------------------------------
@@ -442,11 +448,15 @@ def log_step(run: Run, step: int, result: StepResult, lr: float, seconds_per_ste
     (loss,) = all_reduce([local_tensor(result.loss).item()], dist.ReduceOp.SUM, run.device)
     loss /= run.launch.world_size  # TP peers hold equal losses: the mean over data-parallel ranks
     memory = peak_memory(run.device)
-    maxima = all_reduce([seconds_per_step, result.activation_bytes, *memory.values(), *result.per_block],
+    offloader = find_offloader(run.model)
+    host = offloader.peak_host_bytes if offloader is not None else 0
+    maxima = all_reduce([seconds_per_step, result.activation_bytes, host, *memory.values(), *result.per_block],
                         dist.ReduceOp.MAX, run.device)
-    seconds, activation_bytes = maxima[0], int(maxima[1])
-    memory = dict(zip(memory, map(int, maxima[2:2 + len(memory)])))
+    seconds, activation_bytes, host = maxima[0], int(maxima[1]), int(maxima[2])
+    memory = dict(zip(memory, map(int, maxima[3:3 + len(memory)])))
     reset_peak_memory(run.device)
+    if offloader is not None:  # the interval's peak starts again
+        offloader.peak_host_bytes = offloader.held_host_bytes
     tokens_per_s = run.shape.tokens_per_step / seconds
     per_device = tokens_per_s / run.launch.world_size
     flops, peak_flops = run.flops_per_token, run.peak_flops
@@ -459,8 +469,9 @@ def log_step(run: Run, step: int, result: StepResult, lr: float, seconds_per_ste
         "tokens_per_s_per_device": per_device,
         "step_time_s": seconds,
         "activation_bytes": activation_bytes,
-        "activation_bytes_per_block": [int(b) for b in maxima[2 + len(memory):]],
+        "activation_bytes_per_block": [int(b) for b in maxima[3 + len(memory):]],
         **memory,
+        "offload_host_bytes": host if offloader is not None else None,
         "mfu": per_device * flops / peak_flops if peak_flops else None,
         "skipped": result.skipped,
     }
@@ -543,6 +554,8 @@ def summarize(run: Run) -> dict[str, Any]:
         "median_step_time_s": statistics.median(r["step_time_s"] for r in steady) if steady else None,
         "peak_memory_bytes": max((r["peak_memory_bytes"] for r in run.rows), default=None),
         "steady_peak_memory_bytes": max((r["peak_memory_bytes"] for r in steady), default=None),
+        "offload_host_bytes": max((r["offload_host_bytes"] or 0 for r in run.rows), default=None)
+        if run.rows and run.rows[-1].get("offload_host_bytes") is not None else None,
         "activation_bytes": run.rows[-1]["activation_bytes"] if run.rows else None,
         "activation_bytes_per_block": run.rows[-1].get("activation_bytes_per_block") if run.rows else None,
         "mfu": statistics.median(mfus) if mfus else None,
@@ -559,6 +572,7 @@ def _summary_header(cfg, world_size: int, wandb_run) -> dict[str, Any]:
         "ac_label": ac_label(cfg.ac),
         "memory_budget": float(budget) if isinstance(budget, (int, float)) else budget,
         "selective_option": str(cfg.ac.selective_option) if cfg.ac.mode == ACMode.selective else None,
+        "ac_policies": compact_policies(block_policies(cfg.ac, cfg.model.n_layers)),
         "compile": compile_enabled(cfg),
         "wandb": None if wandb_run is None else {
             "project": wandb_run.project, "entity": wandb_run.entity, "group": wandb_run.group, "id": wandb_run.id,

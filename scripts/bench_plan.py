@@ -3,14 +3,15 @@
     python scripts/bench_plan.py                      # Llama 3 8B, seq 8192, FSDP over 64 ranks, 2 threads
     python scripts/bench_plan.py plan.world_size=8 train.global_batch_size=8
     python scripts/bench_plan.py --evidence           # every row of docs/planner/evidence.csv: prediction, error
-    python scripts/bench_plan.py --blocks             # per-block plans against single settings (issue 15)
+    python scripts/bench_plan.py --blocks             # per-block policies against single settings (issue 26)
 
 Extra arguments are Hydra overrides on top of that setting. Targets (issue 14): one setting under a minute, the
 11-point budget sweep under five, on 2 CPU cores. Each is timed in a fresh Planner, so it pays for the probes, the
 optimizer step and the ac=none reference as a user's command would (not Python's start-up). --evidence writes
 docs/planner/evidence.md, the table the README's planner section shows. --blocks writes docs/planner/per_block.md:
-for each setting of BLOCK_SETTINGS, at memory targets between the single budgets' peaks, the predicted tokens/s
-of full AC, selective, the best single budget and the best per-block plan.
+for each setting of BLOCK_SETTINGS, at full AC's own peak and at memory targets between the single settings' peaks,
+the predicted tokens/s of full AC, selective, the best single setting and the best per-block plan (offloading
+included).
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from membudget.plan import Planner, plan_setting, plan_sweep  # noqa: E402
-from membudget.plan.blocks import per_target, targets_between  # noqa: E402
+from membudget.plan.blocks import best_single, cost, fits, per_target, targets_between  # noqa: E402
+from membudget.plan.result import UNCERTAINTY  # noqa: E402
 from membudget.plan.report import blocks_markdown  # noqa: E402
 from membudget.devices import GPUS  # noqa: E402
 from membudget.plan.evidence import error, plan_row, ranked_pairs, rows, speed_summary  # noqa: E402
 from membudget.launch import register_configs  # noqa: E402
-from membudget.units import GiB  # noqa: E402
+from membudget.units import GiB, fmt_bytes  # noqa: E402
 
 SETTING = ["logger=none", "model=llama3_8b", "train.seq_len=8192", "parallelism=fsdp", "plan.world_size=64",
            "train.global_batch_size=64", "train.micro_batch_size=1", "ac=memory_budget", "ac.memory_budget=0.5"]
@@ -73,17 +75,43 @@ BLOCK_SETTINGS = {
 }
 
 
-def blocks(most_targets: int = 4) -> str:
+def at_full_ac(plans, choice) -> str:
+    """One line: at full AC's own peak, the chosen per-block plan against full AC, the best single budget and
+    selective op (each at its own peak: `fits` says whether it fits the target)."""
+    full = next(p for p in plans if p.label == "full")
+    best = choice.best
+    if best is None or best.time is None:
+        return "at full AC's peak: nothing beats full AC"
+    parts = [f"**{best.policies}**: {best.tokens_per_s_per_device:,.0f} tokens/s per GPU at "
+             f"{fmt_bytes(best.judged_bytes)}"]
+    budgets = [p for p in plans if p.ac_mode == "memory_budget"]
+    rivals = {"full AC": full, "the best single budget that fits": best_single(budgets, choice.target),
+              "the fastest single budget": min(budgets, key=cost),
+              "selective op": next(p for p in plans if p.label == "selective op")}
+    for name, p in rivals.items():
+        if p is None:
+            parts.append(f"{name}: none")
+            continue
+        where = "fits" if fits(p, choice.target) else "does not fit"
+        parts.append(f"{cost(p) / cost(best) - 1:+.1%} over {name} ({p.label}, {fmt_bytes(p.judged_bytes)}, {where})")
+    return "At full AC's peak: " + "; ".join(parts)
+
+
+def blocks(most_targets: int = 2) -> str:
     parts = []
     for title, overrides in BLOCK_SETTINGS.items():
         start = time.perf_counter()
         cfg = compose_cfg(COMMON + overrides)
-        plans = plan_sweep(cfg)
+        plans = plan_sweep(cfg, offload=True)
+        full = next(p for p in plans if p.label == "full")
+        at_full = int(full.judged_bytes / (1 - UNCERTAINTY)) + 1  # full AC just fits: its own memory
+        targets = [at_full] + [t for t in targets_between(plans, plans[0].limit, most_targets) if t != at_full]
         with Planner(cfg) as planner:
-            choices = per_target(planner, plans, targets_between(plans, plans[0].limit, most_targets))
+            choices = per_target(planner, plans, targets)
         seconds = time.perf_counter() - start
         table = blocks_markdown(choices, plans).split("\n", 2)[2]  # without its heading
-        parts.append(f"### {title}\n\n`{' '.join(overrides)}` (planned in {seconds:.0f} s)\n\n{table}")
+        parts.append(f"### {title}\n\n`{' '.join(overrides)}` (planned in {seconds:.0f} s)\n\n"
+                     f"{at_full_ac(plans, choices[0])}.\n\n{table}")
         print(parts[-1], flush=True)
     return "\n".join(parts)
 
@@ -154,7 +182,7 @@ def main() -> None:
     elif "--blocks" in args:
         text = blocks()
         (ROOT / "docs" / "planner" / "per_block.md").write_text(
-            "# Per-block budgets against single settings\n\nWritten by `python scripts/bench_plan.py --blocks` "
+            "# Per-block policies against single settings\n\nWritten by `python scripts/bench_plan.py --blocks` "
             f"(common overrides `{' '.join(COMMON)}`); the H100 80GB SXM's limit less plan.margin_gib.\n\n" + text)
     else:
         timings(args)

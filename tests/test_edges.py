@@ -178,7 +178,7 @@ def test_unquoted_paths_with_accents_or_spaces_are_one_line_with_the_quoted_form
 # --- unknown choices: one line naming the key, the value and the options --------------------------------------
 
 @pytest.mark.parametrize("override, options", [
-    ("ac.mode=bogus", ["none", "full", "selective", "memory_budget"]),
+    ("ac.mode=bogus", ["none", "full", "selective", "memory_budget", "offload", "per_block"]),
     ("train.dtype=float16", ["auto", "float32", "bfloat16"]),
 ])
 def test_an_unknown_choice_is_one_line_with_its_options(override, options):

@@ -133,3 +133,84 @@ def test_the_microbenchmarks_and_a_profiled_step_run_on_the_cpu(tmp_path, monkey
     a = torch.randn(64, 64)
     table = check.profile_steps_table(lambda: (a @ a).relu().sum(), torch.device("cpu"), 2, 1e-3)
     assert table["source"] == "key_averages cpu self" and table["classes"]["gemm"]["count"] == 1
+
+
+# --- fsdp_expandable: FSDP2 over one rank, under each allocator ---------------------------------------------------
+
+MiB = 2**20
+
+
+@pytest.mark.slow
+def test_fsdp_over_one_rank_plans_exactly_what_its_cpu_steps_hold():
+    """The section's run (FSDP2 over a real 1-rank gloo group, the trainer's model) against the planner's plan of the
+    same program (FSDP2 over a 1-rank fake group): equal on the CPU. Without the kept 1-rank dimension neither has
+    FSDP2 (no all-gather buffers): a different peak."""
+    check = gpu_check()
+    cfg = check.fsdp_config("selective", "cpu", "llama3_debug", 2, 32, 2, expandable=False)
+    result = check.fsdp_one_rank(cfg, torch.device("cpu"), steps=2)
+    plan, measured = result["plan"], result["measured"]
+    assert plan["max_allocated"] == pytest.approx(measured["max_allocated"], abs=1024)
+    assert plan["reserved"] is None and measured["max_reserved"] is None and result["record"] == {}
+    plain = check.plan_setting(check.fsdp_config("selective", "cpu", "llama3_debug", 2, 32, 2, False), world_size=1)
+    assert plain.max_allocated < plan["max_allocated"]
+
+
+def test_the_allocator_model_replays_the_allocators_own_trace_on_its_streams():
+    """replay_trace on a hand-written trace as torch.cuda.memory._snapshot() records it: two 30 MiB blocks freed,
+    a 50 MiB one (default: a third segment; expandable: the freed pages), then on another stream a 3 MiB block
+    whose free completes only after the next allocation (an event on another stream pending)."""
+    check = gpu_check()
+
+    def event(action, addr, size, stream=7):
+        return {"action": action, "addr": addr, "size": size, "stream": stream}
+
+    events = [event("free_completed", 99, 8),  # freed before the trace began: no block of its own
+              event("alloc", 1, 30 * MiB), event("alloc", 2, 30 * MiB),
+              event("free_requested", 1, 30 * MiB), event("free_completed", 1, 30 * MiB),
+              event("free_requested", 2, 30 * MiB), event("free_completed", 2, 30 * MiB),
+              event("alloc", 3, 50 * MiB), event("alloc", 4, 3 * MiB, stream=9),
+              event("free_requested", 4, 3 * MiB, stream=9), event("alloc", 5, MiB, stream=9),
+              event("free_completed", 4, 3 * MiB, stream=9)]
+    assert check.replay_trace(events) == {
+        "streams": 2, "late_frees": 1, "most_pending_bytes": 3 * MiB,
+        # default: 30 + 30 + 50 MiB segments, a 20 MiB one for 3 MiB and a small 2 MiB one on stream 9;
+        # expandable: three 20 MiB pages hold a and b, then c; stream 9 maps a 20 MiB and a 2 MiB page
+        "default_reserved": 132 * MiB, "expandable_reserved": 82 * MiB,
+        "default_allocated": 60 * MiB, "expandable_allocated": 60 * MiB}
+
+
+def test_the_allocator_record_sums_segments_by_stream_and_pool_and_keeps_the_trace():
+    check = gpu_check()
+    snapshot = {
+        "segments": [{"stream": 0, "segment_type": "large", "total_size": 40 * MiB, "allocated_size": 30 * MiB,
+                      "is_expandable": True},
+                     {"stream": 0, "segment_type": "large", "total_size": 20 * MiB, "allocated_size": 0,
+                      "is_expandable": True},
+                     {"stream": 0, "segment_type": "small", "total_size": 2 * MiB, "allocated_size": 512,
+                      "is_expandable": True},
+                     {"stream": 5, "segment_type": "large", "total_size": 20 * MiB, "allocated_size": 20 * MiB,
+                      "is_expandable": True}],
+        "device_traces": [[{"action": "segment_map", "addr": 0, "size": 20 * MiB, "stream": 0},
+                           {"action": "alloc", "addr": 1, "size": 30 * MiB, "stream": 0},
+                           {"action": "alloc", "addr": 2, "size": 512, "stream": 0}]]}
+    record = check.allocator_record(snapshot, {"reserved_bytes.all.peak": 82 * MiB, "segment.large_pool.peak": 0})
+    assert record["streams"] == {
+        "0/large": {"segments": 2, "bytes": 60 * MiB, "allocated": 30 * MiB, "expandable": True},
+        "0/small": {"segments": 1, "bytes": 2 * MiB, "allocated": 512, "expandable": True},
+        "5/large": {"segments": 1, "bytes": 20 * MiB, "allocated": 20 * MiB, "expandable": True}}
+    assert record["stats"]["reserved_bytes.all.peak"] == 82 * MiB and record["stats"]["num_ooms"] is None
+    assert record["events"] == 2 and record["trace"] == [[0, 1, 30 * MiB, 0], [0, 2, 512, 0]]
+    assert record["replay"]["expandable_reserved"] == 42 * MiB and record["replay"]["default_reserved"] == 32 * MiB
+
+
+@pytest.mark.slow
+def test_the_fsdp_expandable_section_runs_each_allocator_in_a_fresh_process(tmp_path):
+    check = gpu_check()
+    data = check.main(["--device", "cpu", "--sections", "fsdp_expandable", "--out", str(tmp_path), "--steps", "2"])
+    assert data["sections"]["fsdp_expandable"]["status"] == "ok", data["sections"]
+    results = json.loads((tmp_path / "gpu_check.json").read_text())["fsdp_expandable"]["results"]
+    assert [(r["setting"], r["allocator"]) for r in results] == [("selective", "default"),
+                                                                  ("selective", "expandable segments")]
+    for r in results:
+        assert r["plan"]["max_allocated"] == pytest.approx(r["measured"]["max_allocated"], abs=1024)
+    assert "| expandable segments | " in (tmp_path / "gpu_check.md").read_text()

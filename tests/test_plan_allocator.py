@@ -1,6 +1,7 @@
 """The caching-allocator model with expandable segments under memory pressure: pages unmapped when a request
-does not fit, mapped again when reused, and an OOM only when the live blocks truly do not fit. The default
-allocator's rules are in test_plan_model.py."""
+does not fit, mapped again when reused, and an OOM only when the live blocks truly do not fit; best fit as
+get_free_block ranks an expandable segment's blocks; each stream's segment and its own high-water mark; the
+default allocator's release when a cudaMalloc fails. Its other rules are in test_plan_model.py."""
 
 import random
 
@@ -95,6 +96,55 @@ def test_random_replays_under_pressure_keep_reserved_within_capacity():
         retries += a.retries
         clean += a.ooms == 0 and a.retries > 0
     assert retries and clean  # pressure was met, and some replays fit only by releasing
+
+
+def test_best_fit_keeps_the_segments_growable_end_for_requests_no_other_free_block_holds():
+    """get_free_block ranks a free block followed by unmapped pages by what it can grow to: the free block at the
+    segment's end only when no other free block fits. Here a 10 MiB request goes to the 40 MiB hole at the
+    segment's start, not to the 18 MiB free end, so a later 35 MiB request fits neither and maps a page."""
+    a = CachingAllocator(expandable=True)
+    a.malloc("a", 40 * MiB)  # pages [0, 40)
+    a.malloc("b", 2 * MiB)  # page [40, 60): b, then 18 MiB free at the end
+    a.free("a")
+    a.malloc("c", 10 * MiB)
+    assert a._live["c"].offset == 0 and a.reserved == 60 * MiB
+    a.malloc("e", 35 * MiB)  # 30 MiB free after c, 18 at the end: one page more, after the free end
+    assert a._live["e"].offset == 42 * MiB and a.reserved == 80 * MiB
+    check(a)
+
+
+def test_each_stream_keeps_the_pages_it_mapped_until_memory_runs_short():
+    """One expandable segment per stream and pool: what one stream freed the other cannot use, and pages are
+    unmapped only when a request would not fit the capacity (release_cached_blocks); the mapped pages of every
+    stream count in reserved (max_memory_reserved)."""
+    a = CachingAllocator(expandable=True)
+    a.malloc("gather", 60 * MiB, stream=1)  # an all-gather's output on FSDP2's copy-in stream
+    a.free("gather")
+    a.malloc("activation", 60 * MiB)  # the default stream maps its own pages
+    assert (a.reserved, a.peak_reserved) == (120 * MiB, 120 * MiB)
+    a.free("activation")
+    a.malloc("next gather", 40 * MiB, stream=1)  # its own freed pages again
+    assert a.reserved == 120 * MiB and a._live["next gather"].segment.pool == (1, False)
+    check(a)
+    tight = CachingAllocator(expandable=True, capacity=100 * MiB)
+    for key, nbytes, stream in (("gather", 60 * MiB, 1), ("activation", 60 * MiB, 0)):
+        tight.malloc(key, nbytes, stream)
+        tight.free(key)
+    assert (tight.retries, tight.ooms, tight.reserved) == (1, 0, 60 * MiB)  # stream 1's pages went back first
+    check(tight)
+
+
+def test_the_default_allocator_releases_every_unsplit_cached_segment_when_a_cudamalloc_fails():
+    """With max_split_size_mb unset, release_available_cached_blocks returns at once, so a failed cudaMalloc
+    releases every unsplit free segment of every pool and stream (release_cached_blocks), not one large enough."""
+    a = CachingAllocator(capacity=100 * MiB)
+    a.malloc("a", 60 * MiB)
+    a.malloc("b", 30 * MiB, stream=1)
+    a.malloc("s", 100)  # a small-pool segment (2 MiB)
+    for key in ("a", "b", "s"):
+        a.free(key)
+    a.malloc("c", 64 * MiB)  # no cached block holds it; 92 + 64 > 100: all three go, not only a's (enough alone)
+    assert (a.retries, a.ooms, a.reserved) == (1, 0, 64 * MiB)
 
 
 # --- carried frees in the replay ---------------------------------------------------------------------------

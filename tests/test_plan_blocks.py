@@ -3,13 +3,14 @@ beats every single budget at a memory target, planned as a whole, trained for re
 exactly, the loss of the single-budget runs."""
 
 import dataclasses
+import itertools
 
 import pytest
 
-from membudget.plan import Planner, choose_budget
-from membudget.plan.blocks import best_single, block_bytes, cost, mixes, targets_between
+from membudget.plan import Planner, choose_setting
+from membudget.plan.blocks import assign, best_single, block_bytes, cost, targets_between
 from membudget.plan.result import UNCERTAINTY, BlockCost
-from membudget.schema import parse_block_budgets
+from membudget.schema import compact_policies, parse_block_budgets
 from tests.conftest import FAST_COMPILE, compose_cfg, read_metrics, train_here
 from tests.test_plan_model import plan
 
@@ -19,24 +20,45 @@ GiB = 2**30
 LARGE = ["logger=none", "train.device=cpu", FAST_COMPILE, "train.seq_len=256", "train.global_batch_size=8"]
 
 
+def _uniform(policy: str, kept: int, seconds: float, peak: int, n: int = 4):
+    budget = float(policy.split(":")[1]) if policy.startswith("budget:") else None
+    p = plan(f"memory_budget {budget:g}" if budget is not None else policy, budget, reserved=peak, seconds=seconds)
+    return dataclasses.replace(p, judged_bytes=peak, policies=f"{policy}*{n}",
+                               blocks=[BlockCost(i, policy, kept, 0, 0, 0, None, None) for i in range(5)])
+
+
 def _budget(b: float, kept: int, seconds: float, peak: int):
-    p = plan(f"memory_budget {b:g}", b, reserved=peak, seconds=seconds)
-    return dataclasses.replace(p, judged_bytes=peak, blocks=[BlockCost(i, kept, 0, 0, None, None) for i in range(5)])
+    return _uniform(f"budget:{b:g}", kept, seconds, peak)
 
 
-def test_mixes_trade_blocks_between_two_budgets_and_skip_plateaus():
+def _estimate(options, assignment, n):
+    """The estimate assign() optimises, by brute force: (time, peak) of one policy per block."""
+    used = [options[i] for i in assignment]
+    peak = max(o.judged_bytes - n * block_bytes(o) for o in used) + sum(block_bytes(o) for o in used)
+    return sum(cost(o) for o in used) / n, peak
+
+
+def test_assign_is_the_knapsacks_optimum_and_puts_what_keeps_least_at_the_bottom():
     n = 4
-    low = _budget(0.4, kept=1 * GiB, seconds=2.0, peak=40 * GiB)
-    high = _budget(0.6, kept=3 * GiB, seconds=1.0, peak=50 * GiB)
-    plateau = _budget(0.7, kept=3 * GiB, seconds=0.9, peak=50 * GiB)  # keeps what 0.6 keeps, faster
-    found = {m.spelling: m for m in mixes([high, low, plateau], n)}
-    assert set(found) == {"0.4*3+0.6", "0.4*2+0.6*2", "0.4+0.6*3", "0.4*3+0.7", "0.4*2+0.7*2", "0.4+0.7*3"}
-    mix = found["0.4+0.6*3"]  # the lower budget in the bottom blocks
-    assert mix.budgets == [0.4, 0.6, 0.6, 0.6]
-    # the peak without the blocks' activations is each point's peak less what its blocks keep; the larger counts
-    assert mix.judged_bytes == max(40 - 4 * 1, 50 - 4 * 3) * GiB + (1 + 3 * 3) * GiB
-    assert mix.cost == pytest.approx((2.0 + 3 * 1.0) / 4)
-    assert block_bytes(low) == GiB and cost(low) == 2.0
+    options = [_uniform("none", kept=4 * GiB, seconds=1.0, peak=60 * GiB),
+               _uniform("full", kept=GiB // 4, seconds=1.4, peak=36 * GiB),
+               _uniform("selective", kept=2 * GiB, seconds=1.1, peak=47 * GiB),
+               _budget(0.4, kept=1 * GiB, seconds=1.2, peak=40 * GiB),
+               _uniform("offload", kept=GiB // 8, seconds=1.3, peak=36 * GiB)]
+    for target_gib in (38, 42, 45, 50, 55, 58, 64):
+        target = int(target_gib * GiB / (1 - UNCERTAINTY))
+        mix = assign(options, n, target)
+        feasible = [a for a in itertools.product(range(len(options)), repeat=n)
+                    if _estimate(options, a, n)[1] <= target * (1 - UNCERTAINTY)]
+        best = min(_estimate(options, a, n)[0] for a in feasible)
+        assert mix.cost == pytest.approx(best, rel=1e-9), target_gib
+        assert mix.judged_bytes <= target * (1 - UNCERTAINTY)
+        kept = [block_bytes(next(o for o in options if o.policies.startswith(str(p)))) for p in mix.policies]
+        assert kept == sorted(kept)
+    assert assign(options, n, int(30 * GiB)) is None  # nothing fits
+    # a mix of three policies where two cannot reach it
+    mix = assign(options, n, int(45 * GiB / (1 - UNCERTAINTY)))
+    assert mix.spelling == compact_policies(list(mix.policies)) and len(mix.policies) == n
 
 
 def test_targets_fall_between_the_plateaus_of_single_budgets():
@@ -55,7 +77,7 @@ def chosen():
     with Planner(cfg) as planner:
         low, high = (planner.plan(planner.point("memory_budget", b)) for b in (0.5, 0.6))
     target_gib = (low.judged_bytes + high.judged_bytes) / 2 / (1 - UNCERTAINTY) / GiB
-    budget, plan_ = choose_budget(compose_cfg(*LARGE, "ac=memory_budget", "ac.memory_budget=auto",
+    budget, plan_ = choose_setting(compose_cfg(*LARGE, "ac=memory_budget", "ac.memory_budget=auto",
                                               f"ac.target_memory_gib={target_gib}"))
     return budget, plan_, low, high, target_gib
 
@@ -92,7 +114,9 @@ def test_no_mix_when_none_beats_the_best_single_budget():
     """Equal step times (a run bound by communication, as 8B over 64 ranks plans): nothing to gain per block."""
     plans = [_budget(b, kept=int((1 + 10 * b) * GiB), seconds=1.0, peak=int((40 + 40 * b) * GiB))
              for b in (0.2, 0.4, 0.6)]
-    assert mixes(plans, 32) == []
+    target = int(60 * GiB)
+    # no assignment is faster than the best single budget, so choose_mix plans none (it wants mix.cost < single's)
+    assert assign(plans, 32, target).cost >= cost(best_single(plans, target)) - 1e-12
 
 
 def test_the_sweep_table_says_by_how_much_a_per_block_plan_beats_the_best_single_setting():
@@ -102,10 +126,11 @@ def test_the_sweep_table_says_by_how_much_a_per_block_plan_beats_the_best_single
     single = _budget(0.4, kept=GiB, seconds=2.0, peak=40 * GiB)
     higher = _budget(0.6, kept=3 * GiB, seconds=1.0, peak=50 * GiB)
     full = dataclasses.replace(plan("full", None, reserved=30 * GiB, seconds=2.5), judged_bytes=30 * GiB)
-    mixed = dataclasses.replace(_budget(0.5, kept=2 * GiB, seconds=1.6, peak=45 * GiB), memory_budget="0.4*2+0.6*2")
+    mixed = dataclasses.replace(_budget(0.5, kept=2 * GiB, seconds=1.6, peak=45 * GiB),
+                                policies="budget:0.4*2+budget:0.6*2")
     target = int(47 * GiB / (1 - UNCERTAINTY))
     text = blocks_markdown([TargetChoice(target, single, mixed)], [full, single, higher])
     row = text.splitlines()[-1]
-    assert row.startswith("| 49.5 GiB |") and "0.4*2+0.6*2" in row and row.endswith("| +25.0% | +56.2% |")
+    assert row.startswith("| 49.5 GiB |") and "budget:0.4*2+budget:0.6*2" in row and row.endswith("| +25.0% | +56.2% |")
     assert TargetChoice(target, single, mixed).gain == pytest.approx(0.25)
-    assert "| full |" in text.splitlines()[4] and "0.4: " in row  # full fits, its speed is shown; 0.6 does not
+    assert "| full |" in text.splitlines()[4] and "memory_budget 0.4: " in row  # full fits, its speed is shown; 0.6 does not

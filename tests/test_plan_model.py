@@ -172,7 +172,8 @@ def plan(label="memory_budget 0.5", budget=0.5, reserved=60 * GiB, seconds=1.0, 
                 overheads={"CUDA context": GiB // 2}, limit=limit, limit_source="the device", verdict=verdict,
                 judged_bytes=reserved + GiB // 2,
                 verdict_reason="needs x of y", time=step, tokens_per_step=16 * 8192, forward_flops=1e15,
-                recompute_flops=budget and (1 - budget) * 1e15)
+                recompute_flops=budget and (1 - budget) * 1e15,
+                policies=f"budget:{budget:g}*4" if budget is not None else f"{label.split()[0]}*4")
 
 
 def test_auto_picks_the_fastest_budget_that_fits():

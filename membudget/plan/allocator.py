@@ -10,15 +10,28 @@ measurement:
 - a request takes the smallest free cached block of its pool and stream that fits (best fit), split when the
   rest is at least 512 bytes (small pool) or more than 1 MiB (large pool); a freed block merges with free
   neighbours of its segment; blocks are reused only by the stream they were allocated on;
-- cached segments are returned to CUDA only when a cudaMalloc fails (then one unsplit free segment large
-  enough, else all unsplit free ones, and the request is retried) or on empty_cache;
+- cached segments are returned to CUDA only when a cudaMalloc fails, or on empty_cache: then every unsplit
+  free segment of every pool and stream (release_cached_blocks), and the request is retried once. (The header
+  comment's "first one cached block of sufficient size" is release_available_cached_blocks, which returns at
+  once unless max_split_size_mb is set; none of this project's runs sets it.)
 - with expandable_segments:True each stream and pool has one segment that grows by mapping pages (2 MiB for
-  the small pool, 20 MiB for the large) at its end; blocks split down to 512 bytes; under memory pressure the
-  whole pages inside free blocks are unmapped (unmap_block): they become unmapped blocks, which merge with
-  unmapped neighbours only, and a request no free block holds maps pages again (find_expandable_block,
-  map_block): from the lowest unmapped block whose run of free and unmapped blocks, from the free block before
-  it, spans the request, else at the segment's end.
+  the small pool, 20 MiB for the large) at its end; blocks split down to 512 bytes; best fit ranks a free
+  block followed by unmapped pages by the size it can grow to (get_free_block's expandable_size), so the
+  free block at the segment's end (followed by the unmapped rest of an address range of 1 1/8 the device's
+  memory) is taken only when no other free block fits; under memory pressure the whole pages inside free
+  blocks are unmapped (unmap_block): they become unmapped blocks, which merge with unmapped neighbours only,
+  and a request no free block holds maps pages again (find_expandable_block, map_block): from the lowest
+  unmapped block whose run of free and unmapped blocks, from the free block before it, spans the request,
+  else at the segment's end. Pages are unmapped only then: each stream's segment keeps every page it ever
+  mapped, its own high-water mark, which max_memory_reserved counts;
+- frees apply in program order: a block recorded on another stream (record_stream) would wait for that stream's
+  event (insert_events, process_events), but FSDP2 keeps its cross-stream buffers alive itself and
+  ProcessGroupNCCL stashes a collective's tensors until wait() where TORCH_NCCL_AVOID_RECORD_STREAMS=1 or the
+  collective is synchronous.
 `allocated` counts blocks as torch.cuda.memory_allocated does (the rounded, possibly unsplit block sizes).
+Read in c10/cuda/CUDACachingAllocator.cpp (pytorch/pytorch@001074d25, 2024; docs/planner/sources.md section 6):
+DeviceCachingAllocator::malloc, get_free_block, alloc_block, release_available_cached_blocks,
+release_cached_blocks, release_blocks, find_expandable_block, map_block, unmap_block, should_split.
 """
 
 from __future__ import annotations
@@ -121,7 +134,12 @@ class CachingAllocator:
     def _best_fit(self, pool: tuple[int, bool], size: int) -> Optional[_Block]:
         entries = self._free.get(pool, [])
         i = bisect.bisect_left(entries, (size, -1, -1))
-        return self._by_id[entries[i][2]] if i < len(entries) else None
+        if i == len(entries):
+            return None
+        if self.expandable:  # get_free_block: the next larger block while it can grow to less
+            while i + 1 < len(entries) and _reach(self._by_id[entries[i + 1][2]]) < _reach(self._by_id[entries[i][2]]):
+                i += 1
+        return self._by_id[entries[i][2]]
 
     # --- segments ------------------------------------------------------------------------------------------
     def _reserve(self, nbytes: int) -> bool:
@@ -129,10 +147,11 @@ class CachingAllocator:
         if self.capacity is None or self.reserved + nbytes <= self.capacity:
             return True
         self.retries += 1
-        self._release(self.reserved + nbytes - self.capacity)
+        self._release()
         return self.reserved + nbytes <= self.capacity
 
-    def _release(self, wanted: int) -> None:
+    def _release(self) -> None:
+        """release_cached_blocks: every unsplit free segment (default), or every whole free page (expandable)."""
         if self.expandable:  # unmap the whole pages inside every free block (release_cached_blocks)
             for pool, entries in self._free.items():
                 page = _page(pool)
@@ -142,9 +161,7 @@ class CachingAllocator:
                     if end > start:
                         self._unmap(block, start, end)
             return
-        unsplit = [s for s in self._segments if s.head.free and s.head.next is None]
-        single = sorted((s for s in unsplit if s.size >= wanted), key=lambda s: s.size)[:1]
-        for segment in single or unsplit:
+        for segment in [s for s in self._segments if s.head.free and s.head.next is None]:  # release_blocks
             self._remove(segment.head)
             self._segments.remove(segment)
             self.reserved -= segment.size
@@ -192,7 +209,7 @@ class CachingAllocator:
         needed = self._mapping(pool, first, size)
         if self.capacity is not None and self.reserved + needed > self.capacity:
             self.retries += 1
-            self._release(self.reserved + needed - self.capacity)
+            self._release()
             first = self._candidate(segment, size)  # the release unmapped free pages: look again
             needed = self._mapping(pool, first, size)
             if self.reserved + needed > self.capacity:
@@ -319,8 +336,16 @@ class CachingAllocator:
 
     def empty_cache(self) -> None:
         """Release every unsplit free segment (torch.cuda.empty_cache)."""
-        self._release(self.reserved)
+        self._release()
 
 
 def _page(pool: tuple[int, bool]) -> int:
     return SMALL_BUFFER if pool[1] else LARGE_BUFFER
+
+
+def _reach(block: _Block) -> float:
+    """What a free block of an expandable segment can grow to: itself and the unmapped block after it; at the
+    segment's end, the unmapped rest of its address range (1 1/8 the device's memory: more than any block)."""
+    if block.next is None:
+        return math.inf
+    return block.size + (0 if block.next.mapped else block.next.size)

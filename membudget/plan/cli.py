@@ -1,5 +1,5 @@
 """`python -m membudget.plan <overrides>`: the plan of one setting, or a sweep (ac.memory_budget=sweep) or the
-auto choice (ac.memory_budget=auto), written as plan.json and plan.md (a sweep also sweep.png/.svg) into its
+auto choice (ac.memory_budget=auto, ac.blocks=auto), written as plan.json and plan.md (a sweep also sweep.png/.svg) into its
 Hydra dir, outputs/plan/<date>/<time>."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from membudget.errors import UserError
 from membudget.schema import budget_of
 
 from .blocks import per_target, targets_between
-from .planner import Planner, choose_or_explain, plan_setting, plan_sweep
+from .planner import Planner, is_auto, choose_or_explain, plan_setting, plan_sweep
 from .report import blocks_markdown, non_monotonic, plan_markdown, plot_sweep, sweep_markdown
 
 log = logging.getLogger("membudget")
@@ -22,17 +22,17 @@ log = logging.getLogger("membudget")
 def run(cfg, out_dir: Path) -> dict:
     """What the command does: plan, write plan.json and plan.md (a sweep: also the plots), log the table."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    budget = budget_of(cfg.ac)
+    sweep, auto = budget_of(cfg.ac) == "sweep", is_auto(cfg)
     chosen = error = None
-    if budget in ("sweep", "auto"):
-        plans = plan_sweep(cfg)
-        if budget == "auto":
+    if sweep or auto:
+        plans = plan_sweep(cfg, offload=True)
+        if auto:
             try:
                 chosen = choose_or_explain(plans, cfg, None)[1]
             except UserError as e:  # raised once the sweep that shows it is written
                 error = e
         choices = []
-        if budget == "sweep":  # where a per-block plan beats the best single setting, over a range of targets
+        if sweep:  # where a per-block plan beats the best single setting, over a range of targets
             limit = plans[0].limit or max(p.judged_bytes for p in plans)
             with Planner(cfg) as planner:
                 choices = per_target(planner, plans, targets_between(plans, limit))

@@ -1,6 +1,11 @@
 """Public GPU measurements of Llama-3-shaped training (docs/planner/evidence.csv, each row cited there) and the
 planner's prediction for each: the same model, GPU, FSDP degree, batch, sequence, AC and compile, planned as this
-trainer runs them."""
+trainer runs them.
+
+    python -m membudget.plan.evidence tt2412-t1-eager tt2412-t1-compile   # those rows' memory, both allocators
+    python -m membudget.plan.evidence                                      # every row with a measured peak
+
+(`python scripts/bench_plan.py --evidence` plans every row and writes docs/planner/evidence.md.)"""
 
 from __future__ import annotations
 
@@ -153,3 +158,48 @@ def speed_summary(all_rows: list[Row], plans: dict[str, Plan]) -> SpeedSummary:
         e = error(plans[row.id].tokens_per_s_per_device, row.measured_speed)
         (fitted if row.fitted else held).append((row.id, e))
     return SpeedSummary(held, fitted)
+
+
+def memory_lines(ids: list[str], compose) -> list[str]:
+    """A table of the rows `ids` (every row with a measured peak or an OOM when empty): measured max_reserved, the
+    plan under the row's as-run allocator and under the other, each with its error, and the verdict."""
+    chosen = [r for r in rows() if (r.id in ids if ids else r.measured is not None or r.fields["outcome"] == "oom")]
+    unknown = set(ids) - {r.id for r in chosen}
+    if unknown:
+        raise SystemExit(f"no such row in {TABLE.name}: {', '.join(sorted(unknown))}")
+    lines = ["| row | as run | measured GiB | planned, as run | error | other allocator | error | verdict |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for row in chosen:
+        plan = plan_row(row, compose)
+        measured = row.measured
+
+        def cell(nbytes):
+            return f"{nbytes / GiB:.2f} | " + ("-" if measured is None else f"{error(nbytes, measured):+.1%}")
+
+        shown = "OOM" if row.fields["outcome"] == "oom" else "-" if measured is None else f"{measured / GiB:.2f}"
+        lines.append(f"| {row.id} | {row.fields['allocator']} | {shown} | {cell(plan.reserved_peak)} | "
+                     f"{cell(plan.reserved_other.nbytes)} | {plan.verdict} |")
+    return lines
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    import sys
+
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from membudget.launch import register_configs
+
+    torch.set_num_threads(2)
+    register_configs()
+    conf = TABLE.parents[2] / "conf"
+
+    def compose_row(overrides):
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            return compose("config", overrides=list(overrides))
+
+    print("\n".join(memory_lines(sys.argv[1:] if argv is None else argv, compose_row)))
+
+
+if __name__ == "__main__":
+    main()

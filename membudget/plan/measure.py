@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from membudget.ac import per_block
 from membudget.errors import UserError
 from membudget.internals import (
     FakeTensorMode,
@@ -39,9 +38,10 @@ from membudget.internals import (
 )
 from membudget.launch import Launch
 from membudget.metrics import ActivationCounter, local_tensor
+from membudget.offload import Offloader, find_offloader
 from membudget.parallel import build_mesh, clip_grad_norm, gradient_sync, mesh_size
 from membudget.rules import compile_enabled
-from membudget.schema import ACMode, CompileBackend
+from membudget.schema import CompileBackend, block_policies
 from membudget.step import Numerics, build_optimizer, build_parallel_model, forward_backward
 
 from .record import Recorder, fused_graph
@@ -155,14 +155,9 @@ class _KeptActivations(ActivationCounter):
         super().release()
 
 
-def block_kinds(cfg, n_layers: int) -> list[tuple]:
-    """What makes blocks plan differently under the AC setting: blocks of one kind plan alike."""
-    ac = cfg.ac
-    if ac.mode == ACMode.selective and str(ac.selective_option) != "op":
-        every = int(ac.selective_option)
-        return [((i + 1) % every == 0,) for i in range(n_layers)]
-    budgets = per_block(ac, n_layers) if ac.mode == ACMode.memory_budget else None
-    return [(b,) for b in budgets] if budgets else [()] * n_layers
+def block_kinds(cfg, n_layers: int) -> list[str]:
+    """What makes blocks plan differently: their policies (blocks of one policy plan alike)."""
+    return [str(p) for p in block_policies(cfg.ac, n_layers)]
 
 
 def probe_shape(cfg, n_layers: int) -> tuple[int, int]:
@@ -213,6 +208,9 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
     model = build_parallel_model(cfg, mesh, torch.device(numerics.target), n_layers=depth,
                                  compile_backend=planning_backend(cfg))
     model.use_attention_kernels(numerics.expand_kv)
+    offloader = find_offloader(model)
+    if offloader is not None and numerics.target == "cuda":  # offloaded storages leave the device: no copies
+        offloader.target = "plan"
     with fake:
         model.to_empty(device="cpu")
         model.tie_weights()
@@ -241,7 +239,7 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
                 with gradient_sync(model, mesh, last=last):
                     # the loss dies here, as the trainer's does by the next step
                     nbytes = forward_backward(*step, numerics)[1]
-                runs.append(_run(recorder, counter, model, nbytes))
+                runs.append(_run(recorder, counter, model, nbytes, offloader))
             recorder.stop()
         for handle in handles:
             handle.remove()
@@ -256,7 +254,8 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
     )
 
 
-def _run(recorder: Recorder, counter: _KeptActivations, model, activation_bytes: int) -> Run:
+def _run(recorder: Recorder, counter: _KeptActivations, model, activation_bytes: int,
+         offloader: Optional[Offloader]) -> Run:
     categories = {}
     for segment in recorder.segments:
         for event in segment.events:
@@ -274,7 +273,8 @@ def _run(recorder: Recorder, counter: _KeptActivations, model, activation_bytes:
             segments[segment.name].ops += segment.ops
         else:
             segments[segment.name] = segment
-    return Run(segments, categories, activation_bytes, dict(counter.last_per_block))
+    host = dict(offloader.host_bytes) if offloader is not None and offloader.target == "plan" else {}
+    return Run(segments, categories, activation_bytes, dict(counter.last_per_block), host)
 
 
 def run_optimizer(cfg, shards: list[tuple[torch.Size, torch.dtype]], numerics: Numerics) -> OptimizerRun:

@@ -12,12 +12,22 @@ from typing import Optional
 from membudget.ac import compiler_scope
 from membudget.errors import UserError
 from membudget.rules import SECTIONS, check_parallelism, check_train, compile_enabled, mesh_degrees, validate
-from membudget.schema import CompileBackend, RuntimeEstimator, ac_label, budget_of, compact_budgets, parse_block_budgets
+from membudget.schema import (
+    CompileBackend,
+    OffloadWith,
+    RuntimeEstimator,
+    ac_label,
+    block_policies,
+    budget_of,
+    compact_budgets,
+    compact_policies,
+    parse_block_budgets,
+)
 from membudget.step import Numerics, StepShape
 from membudget.units import GiB, fmt_bytes, gib
 
 from .allocator import CachingAllocator
-from .blocks import choose_mix
+from .blocks import best_single, choose_mix, single_budgets
 from .devices import CUDA_CONTEXT, NCCL_PER_COMMUNICATOR, assumed_device, expandable_segments
 from .measure import fake_world, probe_shape, run_optimizer, run_probe
 from .replay import Layout, Memory, consistent, simulate, two_steps
@@ -72,12 +82,16 @@ class Planner:
     def __exit__(self, *exc) -> None:
         self._world.__exit__(*exc)
 
-    def point(self, mode: str, budget=None):
-        """The run's config with another AC mode or budget, as the planner runs it."""
+    def point(self, mode: str, budget=None, **ac):
+        """The run's config with another AC mode or budget (or other `ac` fields), as the planner runs it."""
         cfg = copy.deepcopy(self.cfg)
         cfg.ac.mode = mode
+        if str(mode) != "offload":  # read by ac=offload only
+            cfg.ac.offload_with = OffloadWith.none
         if budget is not None:
             cfg.ac.memory_budget = budget
+        for key, value in ac.items():
+            setattr(cfg.ac, key, value)
         if dataclasses.is_dataclass(cfg):  # built without Hydra (scripts/gpu_check.py): the rules OmegaConf needs not
             for check in SECTIONS:
                 check(cfg)
@@ -151,7 +165,8 @@ class Planner:
             overheads = self._overheads()
         verdict, reason, judged = self._verdict(phases, allocated, reserved, overheads)
         step2 = [p for p in phases if p.step == 2]
-        timing = step_time(step2, self.device, self.degrees)
+        offloaded = {j: probe.first.host_per_block.get(layout.rep(j), 0) for j in range(n)}
+        timing = step_time(step2, self.device, self.degrees, offloaded)
         reference = self.reference() if recompute else None
         backward = sum(op.flops for p in step2 if p.kind == "backward" for op in p.ops)
         activations = probe.first.activations
@@ -185,8 +200,10 @@ class Planner:
             tokens_per_step=self.shape.tokens_per_step,
             forward_flops=reference["forward"] if reference else None,
             recompute_flops=max(0.0, backward - reference["backward"]) if reference else None,
-            blocks=self._blocks(probe, layout),
+            blocks=self._blocks(cfg, probe, layout),
             seconds=time.perf_counter() - start,
+            policies=compact_policies(block_policies(cfg.ac, n)),
+            host_bytes=sum(probe.first.host_per_block.get(layout.rep(j), 0) for j in range(n)),
         )
 
     def _overheads(self) -> dict[str, int]:
@@ -222,8 +239,9 @@ class Planner:
         return TIGHT, (f"{needs} with a full cache; fits only by releasing cached memory ({capped.retries} "
                        f"cudaMalloc retries in two steps: slower)"), need
 
-    def _blocks(self, probe, layout) -> list[BlockCost]:
-        """Per probe block: what it keeps and costs, for choosing budgets block by block."""
+    def _blocks(self, cfg, probe, layout) -> list[BlockCost]:
+        """Per probe block: what it keeps and costs, for choosing policies block by block."""
+        policies = block_policies(cfg.ac, layout.n)
         costs = []
         segments = probe.first.segments
         for b in range(layout.depth):
@@ -231,8 +249,9 @@ class Planner:
             if fwd is None or bwd is None:
                 continue
             seconds = (lambda s: cost(s.ops, self.device, self.degrees).gpu) if self.device.is_gpu else (lambda s: None)
-            costs.append(BlockCost(b, probe.first.per_block.get(b, 0), fwd.flops, bwd.flops, seconds(fwd),
-                                   seconds(bwd)))
+            costs.append(BlockCost(b, str(policies[layout.layers_of(b)[0]]),
+                                   probe.first.per_block.get(b, 0), probe.first.host_per_block.get(b, 0),
+                                   fwd.flops, bwd.flops, seconds(fwd), seconds(bwd)))
         return costs
 
     def _setting(self, cfg) -> Setting:
@@ -275,65 +294,77 @@ def _gradients(phases) -> int:
 # --- entry points ----------------------------------------------------------------------------------------
 
 SWEEP_BUDGETS = tuple(round(0.1 * i, 1) for i in range(11))
+OFFLOADS = ("none", "selective", "full")  # what an offloading block also does (ac.offload_with)
 
 
-def _label(cfg, mode: str, budget=None) -> str:
-    return ac_label({"mode": mode, "memory_budget": budget, "selective_option": str(cfg.ac.selective_option)})
+def _label(cfg, mode: str, budget=None, **ac) -> str:
+    return ac_label({"mode": mode, "memory_budget": budget, "selective_option": str(cfg.ac.selective_option), **ac})
+
+
+def is_auto(cfg) -> bool:
+    """Whether the run leaves its AC setting to the planner (ac.memory_budget=auto or ac.blocks=auto)."""
+    return (str(cfg.ac.mode) == "memory_budget" and cfg.ac.memory_budget == "auto") or (
+        str(cfg.ac.mode) == "per_block" and cfg.ac.blocks == "auto")
 
 
 def plan_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> Plan:
-    """The plan of `cfg`'s own AC setting; for ac.memory_budget=auto, of the setting it chooses."""
+    """The plan of `cfg`'s own AC setting; for auto, of the setting it chooses."""
+    if is_auto(cfg):
+        return choose_setting(cfg, world_size, device)[1]
     budget = cfg.ac.memory_budget if str(cfg.ac.mode) == "memory_budget" else None
-    if budget == "auto":
-        return choose_budget(cfg, world_size, device)[1]
     with Planner(cfg, world_size, device) as planner:
-        return planner.plan(planner.point(cfg.ac.mode, budget), _label(cfg, cfg.ac.mode, budget))
+        return planner.plan(planner.point(cfg.ac.mode, budget))
 
 
 def plan_sweep(cfg, world_size: Optional[int] = None, references: bool = True,
-               device: Optional[str] = None) -> list[Plan]:
-    """none, full, selective (as configured) and memory budgets 0.0, 0.1, ..., 1.0."""
+               device: Optional[str] = None, offload: bool = False) -> list[Plan]:
+    """none, full, selective (as configured) and memory budgets 0.0, 0.1, ..., 1.0; `offload`: also every block
+    offloading (with none, selective op and full AC), where that saves device memory (a GPU)."""
     with Planner(cfg, world_size, device) as planner:
-        modes = [(m, None) for m in ("none", "full", "selective")] if references else []
-        return [planner.plan(planner.point(m, b), _label(cfg, m, b))
-                for m, b in modes + [("memory_budget", b) for b in SWEEP_BUDGETS]]
+        points = [(m, None, {}) for m in ("none", "full", "selective")] if references else []
+        points += [("memory_budget", b, {}) for b in SWEEP_BUDGETS]
+        if offload and planner.device.is_gpu:
+            points += [("offload", None, {"offload_with": w, "selective_option": "op"}) for w in OFFLOADS]
+        return [planner.plan(planner.point(m, b, **ac), _label(cfg, m, b, **ac)) for m, b, ac in points]
 
 
 def choose(plans: list[Plan]) -> Optional[Plan]:
-    """The fastest budget whose planned peak fits (without a time model: the least recompute), ties broken by the
-    lower reserved peak; None when none fits."""
-    fitting = [p for p in plans if p.ac_mode == "memory_budget" and p.fits]
-    return min(fitting, key=lambda p: (p.step_seconds if p.step_seconds is not None else p.recompute_flops,
-                                       p.reserved_peak, -p.memory_budget), default=None)
+    """The fastest single budget whose planned peak fits (without a time model: the least recompute), ties to
+    the lower peak, then the higher budget; None when none fits or no limit is known."""
+    limit = plans[0].limit if plans else None
+    return best_single(single_budgets(plans), limit) if limit else None
 
 
-def choose_budget(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> tuple[object, Plan]:
-    """For ac.memory_budget=auto: the fastest budget whose reserved peak fits ac.target_memory_gib (default: the
-    device's memory less plan.margin_gib), per block when a mix of budgets beats every single one (blocks.py);
-    `device`: the one the run trains on (see Planner). UserError when none fits."""
-    return choose_or_explain(plan_sweep(cfg, world_size, references=False, device=device), cfg, world_size, device)
+def choose_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> tuple[object, Plan]:
+    """For auto: the fastest setting whose reserved peak fits ac.target_memory_gib (default: the device's memory
+    less plan.margin_gib); `device`: the one the run trains on (see Planner). ac.memory_budget=auto chooses among
+    budgets, one or one per block; ac.blocks=auto a policy per block. UserError when none fits."""
+    policies = str(cfg.ac.mode) == "per_block"
+    plans = plan_sweep(cfg, world_size, references=policies, device=device, offload=policies)
+    return choose_or_explain(plans, cfg, world_size, device)
 
 
 def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int],
                       device: Optional[str] = None) -> tuple[object, Plan]:
-    """(the budget: a float, or per-block budgets as "0.3*8+0.6*24"; its plan) from a sweep's plans."""
+    """(the choice: a budget, per-block budgets as "0.3*8+0.6*24", or under ac=per_block the blocks' policies as
+    "full*4+none*28"; its plan) from a sweep's plans."""
+    key = "ac.blocks" if str(cfg.ac.mode) == "per_block" else "ac.memory_budget"
     if plans[0].verdict == NO_LIMIT:
-        raise UserError("ac.memory_budget=auto: no memory limit known for this device: "
-                        "set ac.target_memory_gib=N (GiB)")
-    best = choose(plans)
+        raise UserError(f"{key}=auto: no memory limit known for this device: set ac.target_memory_gib=N (GiB)")
+    candidates = plans if key == "ac.blocks" else single_budgets(plans)
+    best = best_single(candidates, plans[0].limit)
     with Planner(cfg, world_size, device) as planner:
-        mixed = choose_mix(planner, plans, plans[0].limit, best)
-    if mixed is not None:
-        return mixed.memory_budget, mixed
-    if best is not None:
-        return best.memory_budget, best
+        mixed = choose_mix(planner, candidates, plans[0].limit, best)
+    chosen = mixed or best
+    if chosen is not None:
+        return (chosen.policies if key == "ac.blocks" else chosen.memory_budget), chosen
     lowest = min(plans, key=lambda p: p.reserved_peak)
     full = next((p for p in plans if p.ac_mode == "full"), None)
     if full is None:
         with Planner(cfg, world_size, device) as planner:
             full = planner.plan(planner.point("full"), "full")
     raise UserError(
-        f"ac.memory_budget=auto: no budget fits {gib(lowest.limit)} GiB per rank on {lowest.device.name} "
+        f"{key}=auto: no setting fits {gib(lowest.limit)} GiB per rank on {lowest.device.name} "
         f"(lowest planned reserved peak {gib(lowest.reserved_peak)} GiB, {lowest.label}: {lowest.verdict}); "
         f"ac=full plans {gib(full.reserved_peak)} GiB ({full.verdict}); or lower train.micro_batch_size / "
         f"train.seq_len, or shard over more ranks (parallelism=fsdp with a larger plan.world_size)")

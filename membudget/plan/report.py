@@ -73,6 +73,13 @@ def plan_markdown(plan: Plan) -> str:
         f"{fmt_bytes(plan.activations)} a micro-batch; initialisation holds {fmt_bytes(plan.init_transient)} more than the "
         "parameters (a CPU mesh initialises each parameter at full size, a GPU mesh each shard in place).",
         "",
+        f"Blocks' policies, bottom first: `{plan.policies}`; on the device they keep "
+        + ", ".join(f"{fmt_bytes(b.activation_bytes)} ({b.policy})" for b in plan.blocks) + " (the probe's blocks)"
+        + (f"; offloaded to pinned host memory: {fmt_bytes(plan.host_bytes)} a micro-batch, copies "
+           f"{plan.time.offload_transfers * 1e3:.1f} ms on the host link of which the step waits "
+           f"{plan.time.offload_waits * 1e3:.1f} ms" if plan.host_bytes and plan.time else
+           f"; offloaded to host memory: {fmt_bytes(plan.host_bytes)}" if plan.host_bytes else "") + ".",
+        "",
         "| step | allocated peak | when |", "|---|---:|---|",
         *[f"| {step}{' (no optimizer states before its optimizer step)' if step == 1 else ''} | {fmt_bytes(m.nbytes)} | "
           f"{m.phase} |" for step, m in sorted(plan.per_step.items()) if step],
@@ -134,20 +141,20 @@ def _speed(plan: Optional[Plan]) -> str:
 
 
 def blocks_markdown(choices: list[TargetChoice], plans: list[Plan]) -> str:
-    """Per memory target: full, selective, the best single budget and the best per-block plan, and the gain."""
+    """Per memory target: full, selective, the best uniform setting and the best per-block plan, and the gain."""
     timed = plans[0].time is not None
     named = {p.label: p for p in plans if p.ac_mode in ("full", "selective")}
-    lines = ["## Per-block budgets against single settings, by memory target", "",
+    lines = ["## Per-block policies against single settings, by memory target", "",
              ("Predicted tokens/s per device" if timed else "Recompute, share of the forward FLOPs (no time model "
               "on a CPU)") + "; `-` where the setting does not fit the target. Targets fall between the peaks of "
-             "single budgets; the per-block plan is planned again as a whole. gain: the per-block plan against the "
-             "best single budget; vs full: the better of the two against ac=full (eager), by predicted time.", "",
-             "| target | " + " | ".join(named) + " | best single budget | per-block plan | gain | vs full |",
+             "single settings; the per-block plan is planned again as a whole. gain: the per-block plan against the "
+             "best single setting; vs full: the better of the two against ac=full (eager), by predicted time.", "",
+             "| target | " + " | ".join(named) + " | best single setting | per-block policies | gain | vs full |",
              "|---:|" + "---:|" * len(named) + "---|---|---:|---:|"]
     for c in choices:
         fitting = [_speed(p) if fits(p, c.target) else "-" for p in named.values()]
         single = c.single
-        mixed = (f"{c.per_block.memory_budget}: {_speed(c.per_block)} ({fmt_bytes(c.per_block.judged_bytes)})"
+        mixed = (f"{c.per_block.policies}: {_speed(c.per_block)} ({fmt_bytes(c.per_block.judged_bytes)})"
                  if c.per_block else "none beats it")
         gain = "-" if c.gain is None else f"{c.gain:+.1%}"
         against_full = "-"
@@ -155,7 +162,7 @@ def blocks_markdown(choices: list[TargetChoice], plans: list[Plan]) -> str:
         if c.best is not None and full is not None and c.best.time is not None:
             against_full = f"{cost(full) / cost(c.best) - 1:+.1%}"
         lines.append(f"| {fmt_bytes(c.target)} | " + " | ".join(fitting) + " | "
-                     + (f"{single.memory_budget:g}: {_speed(single)} ({fmt_bytes(single.judged_bytes)})" if single else "-")
+                     + (f"{single.label}: {_speed(single)} ({fmt_bytes(single.judged_bytes)})" if single else "-")
                      + f" | {mixed} | {gain} | {against_full} |")
     return "\n".join(lines) + "\n"
 

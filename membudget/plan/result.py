@@ -53,7 +53,9 @@ class BlockCost:
     """One probe block under the setting: what it keeps and what it costs (per micro-batch)."""
 
     block: int
-    activation_bytes: int
+    policy: str  # its AC policy (schema.BlockPolicy, spelled)
+    activation_bytes: int  # kept on the device
+    host_bytes: int  # waiting in host memory (offloading policies on a GPU)
     forward_flops: int
     backward_flops: int  # recompute included
     forward_seconds: Optional[float]
@@ -91,6 +93,8 @@ class Plan:
     recompute_flops: Optional[float]  # extra forward FLOPs run in backward, against ac=none
     blocks: list[BlockCost] = field(default_factory=list)
     seconds: float = 0.0  # planning time
+    policies: str = ""  # every block's policy, bottom first, spelled compactly ("full*4+budget:0.3*28")
+    host_bytes: int = 0  # pinned host memory the offloading blocks take (one micro-batch's activations)
 
     @property
     def peak(self) -> int:

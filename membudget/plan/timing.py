@@ -35,6 +35,7 @@ from .trace import ATTENTION, FALLBACK, GEMM, VIEW, Collective, Op
 
 _FSDP_GROUPS = ("dp_shard", "dp_replicate")
 COMPUTE, FSDP_TRAFFIC, TP_TRAFFIC, HOST = "compute", "exposed FSDP traffic", "TP traffic", "host"
+OFFLOAD_TRAFFIC = "exposed offload traffic"
 KERNEL_KINDS = ("gemm", "attention", "memory", "fused")  # how a plan breaks down its GPU time
 
 
@@ -50,7 +51,9 @@ class StepTime:
     host: float = 0.0  # the host's time to issue the step's work
     tp_communication: float = 0.0  # TP's collectives, on the compute stream
     kernels: dict = field(default_factory=dict)  # GPU seconds by kind of kernel: gemm, attention, memory, fused
-    bound: str = COMPUTE  # what bounds the step: compute, exposed FSDP traffic, TP traffic or host
+    bound: str = COMPUTE  # what bounds the step: compute, exposed FSDP traffic, TP traffic, offload traffic or host
+    offload_waits: float = 0.0  # the compute stream's waits for offloaded activations (copies out and back)
+    offload_transfers: float = 0.0  # the host link's busy time for them, both ways
 
 
 # --- kernels -------------------------------------------------------------------------------------------------
@@ -232,15 +235,53 @@ def collective_seconds(c: Collective, device: Device, degrees: dict[str, int]) -
 
 # --- the step ------------------------------------------------------------------------------------------------
 
-def step_time(phases, device: Device, degrees: dict[str, int]) -> Optional[StepTime]:
-    """The step's time from its replayed phases (one step: step 2's); None without a time model (CPU)."""
+class _HostLink:
+    """Offloaded activations over the GPU's host link, one copy engine each way (offload.py's program): block j's
+    copies out start when its forward ends and queue on the D2H engine; the compute stream waits for them at the
+    end of block j+1's forward (where it drops the originals; the top block at its own end). When block j's
+    backward starts its own copies come back if no prefetch brought them (the top block), then block j-1's
+    are prefetched on the H2D engine; block j-1's backward waits for them."""
+
+    def __init__(self, device: Device, offloaded: dict[int, int]):
+        self.rate = device.host_link_bandwidth * device.efficiency.host_link
+        self.seconds = {j: b / self.rate for j, b in offloaded.items() if b}
+        self.top = max(offloaded, default=-1)
+        self.out = self.into = 0.0  # when each engine is next free
+        self.busy = 0.0  # both engines' time copying
+        self.copied: dict[int, float] = {}  # block -> when its copy out is done
+        self.fetched: dict[int, float] = {}  # block -> when its copy back is done
+
+    def forward_ends(self, j: int, clock: float) -> float:
+        """When the compute stream may go on after block j's forward (its predecessor's copies waited for)."""
+        if j in self.seconds:
+            self.out = max(self.out, clock) + self.seconds[j]
+            self.copied[j] = self.out
+            self.busy += self.seconds[j]
+        waits = [j - 1] + ([j] if j == self.top else [])
+        return max([clock] + [self.copied.pop(i) for i in waits if i in self.copied and i in self.seconds])
+
+    def backward_starts(self, j: int, clock: float) -> float:
+        """When block j's backward may start: its copies back done (fetching its own, then prefetching j-1's)."""
+        for i in (j, j - 1):
+            if i in self.seconds and i not in self.fetched:
+                self.into = max(self.into, clock, self.copied.get(i, 0.0)) + self.seconds[i]
+                self.fetched[i] = self.into
+                self.busy += self.seconds[i]
+        return self.fetched.pop(j, 0.0)
+
+
+def step_time(phases, device: Device, degrees: dict[str, int],
+              offloaded: Optional[dict[int, int]] = None) -> Optional[StepTime]:
+    """The step's time from its replayed phases (one step: step 2's); None without a time model (CPU).
+    `offloaded`: the bytes each block's forward copies to host memory (offload.py), per micro-batch."""
     if not device.is_gpu:
         return None
+    offload = _HostLink(device, offloaded or {})
     share = device.efficiency.nccl_sm_share
     clock = link = host = 0.0  # when the compute stream, the communication link and the host are next free
     previous_start = 0.0
     prefetched = 0.0  # when the all-gather the next backward block waits for is done
-    busy = comm = tp = waited = 0.0
+    busy = comm = tp = waited = offload_waited = 0.0
     kernels = dict.fromkeys(KERNEL_KINDS, 0.0)
     by_kind = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     for phase in phases:
@@ -249,6 +290,9 @@ def step_time(phases, device: Device, degrees: dict[str, int]) -> Optional[StepT
         for kind, seconds in c.kernels.items():
             kernels[kind] += seconds
         ready = prefetched if phase.kind == "backward" else 0.0
+        fetched = offload.backward_starts(phase.block, clock) if phase.kind == "backward" and phase.block is not None else 0.0
+        fetch_wait = max(0.0, fetched - max(clock, ready))  # beyond what FSDP2's gather makes it wait
+        ready = max(ready, fetched)
         if phase.kind == "optimizer":
             ready = link  # gradients are whole once the last reduce-scatter is done
         gathers_for_next = []
@@ -260,7 +304,8 @@ def step_time(phases, device: Device, degrees: dict[str, int]) -> Optional[StepT
             elif kind == "all_gather":
                 gathers_for_next.append(seconds)
         before, start = clock, max(clock, ready)
-        waited += start - clock
+        waited += start - clock - fetch_wait
+        offload_waited += fetch_wait
         for seconds in gathers_for_next:  # backward: prefetch of the next block's parameters
             link = max(link, start) + seconds
             prefetched = link
@@ -270,6 +315,10 @@ def step_time(phases, device: Device, degrees: dict[str, int]) -> Optional[StepT
         busy += gpu
         host += c.host
         clock = max(start + gpu, host)  # the GPU finishes no earlier than the host has issued the work
+        if phase.kind == "forward" and phase.block is not None:
+            released = offload.forward_ends(phase.block, clock)
+            offload_waited += max(0.0, released - clock)
+            clock = max(clock, released)
         by_kind[phase.kind] = by_kind.get(phase.kind, 0.0) + clock - before
         for kind, seconds in c.collectives:
             if kind != "all_gather":  # reduce-scatter / all-reduce: once this block's gradients exist
@@ -279,7 +328,8 @@ def step_time(phases, device: Device, degrees: dict[str, int]) -> Optional[StepT
     seconds = max(clock, link)
     # the bound: the host when issuing the work takes longer than the GPU's work, else the largest term of the
     # compute stream's time (its kernels, TP's collectives on it, and its waits for FSDP2's)
-    terms = {COMPUTE: busy - tp, TP_TRAFFIC: tp, FSDP_TRAFFIC: waited}
-    bound = HOST if host > busy else max(terms, key=terms.get)
+    terms = {COMPUTE: busy - tp, TP_TRAFFIC: tp, FSDP_TRAFFIC: waited, OFFLOAD_TRAFFIC: offload_waited}
+    bound = HOST if host > busy and host > offload_waited else max(terms, key=terms.get)
     return StepTime(seconds, busy, comm, waited, by_kind["forward"], by_kind["backward"], by_kind["optimizer"],
-                    host=host, tp_communication=tp, kernels=kernels, bound=bound)
+                    host=host, tp_communication=tp, kernels=kernels, bound=bound, offload_waits=offload_waited,
+                    offload_transfers=offload.busy)

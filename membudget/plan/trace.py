@@ -90,6 +90,7 @@ class Run:
     categories: dict[int, str]  # allocation key -> category (the rest are temporaries)
     activations: int  # training's activation_bytes
     per_block: dict  # activation bytes by probe block (None: outside the blocks)
+    host_per_block: dict = field(default_factory=dict)  # bytes offloaded to host memory, by probe block
 
 
 @dataclass

@@ -21,7 +21,8 @@ TOLERANCE = 0.01
 # Columns of report.csv and the W&B table, in order. `trial` and `study` are a search's (membudget.search): the
 # trial that ran the job, and "front" / "best" where it is on the study's Pareto front or is its best trial.
 COLUMNS = [
-    "job", "trial", "run", "ac_mode", "memory_budget", "selective_option", "compiled", "activation_bytes",
+    "job", "trial", "run", "ac_mode", "memory_budget", "selective_option", "policies", "compiled",
+    "offload_host_bytes", "activation_bytes",
     "planned_activation_bytes", "activation_vs_planned", "activation_bytes_per_block", "peak_memory_bytes",
     "planned_peak_memory_bytes", "steady_peak_memory_bytes", "median_tokens_per_s", "median_step_time_s",
     "step_time_vs_none", "mfu", "compile_s", "skipped_steps", "final_loss", "max_abs_loss_diff", "loss_flagged",
@@ -77,7 +78,8 @@ def build_rows(sweep: Sweep, tolerance: float) -> tuple[list[dict[str, Any]], li
         row = {
             "job": job.num, "trial": job.trial.get("number"), "run": job.label, "ac_mode": job.mode, "memory_budget": job.budget,
             "selective_option": job.ac.get("selective_option") if job.mode == "selective" else None,
-            "compiled": job.compiled, "activation_bytes": s.get("activation_bytes"),
+            "policies": s.get("ac_policies"), "compiled": job.compiled,
+            "offload_host_bytes": s.get("offload_host_bytes"), "activation_bytes": s.get("activation_bytes"),
             "planned_activation_bytes": None, "activation_vs_planned": None,
             "activation_bytes_per_block": json.dumps(per_block) if per_block else None,
             "peak_memory_bytes": s.get("peak_memory_bytes"), "planned_peak_memory_bytes": None,

@@ -53,7 +53,7 @@ class Job:
         if "compile" in self.summary:
             return bool(self.summary["compile"])
         return compile_enabled(OmegaConf.create({"compile": {"enabled": None, **self.config.get("compile", {})},
-                                                 "ac": {"mode": self.mode}}))
+                                                 "ac": {"mode": self.mode, "blocks": self.ac.get("blocks", "none")}}))
 
 
 def mean_budget(budget) -> Optional[float]:
