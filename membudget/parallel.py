@@ -154,12 +154,17 @@ def parallelize(model: nn.Module, cfg, mesh: Optional[DeviceMesh] = None,
     return model
 
 
+def defers_sync(model: nn.Module, mesh: Optional[DeviceMesh]) -> bool:
+    """Whether a micro-batch that is not the step's last runs a different sync (gradient_sync): only replicas."""
+    return isinstance(model, FSDPModule) and mesh_size(mesh, "dp_replicate") > 1
+
+
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, mesh: Optional[DeviceMesh], last: bool) -> Iterator[None]:
     """The backward of a micro-batch that is not the step's last skips what it can of the gradient sync:
     replicas (DDP, and HSDP across groups) all-reduce only once per step. FSDP shards still reduce-scatter
     every micro-batch: skipping it would hold every block's unsharded gradient until the last one."""
-    if last or not isinstance(model, FSDPModule) or mesh_size(mesh, "dp_replicate") == 1:
+    if last or not defers_sync(model, mesh):
         yield
         return
     if mesh_size(mesh, "dp_shard") == 1:

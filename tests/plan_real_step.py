@@ -21,11 +21,19 @@ from membudget.trainer import train_step
 
 
 class CompiledMemTracker(mem_tracker_class()):
-    """torch's MemTracker, kept on while compiled graphs run (aot_eager graphs run op by op)."""
+    """torch's MemTracker, kept on while compiled graphs run (aot_eager graphs run op by op), over every
+    micro-batch of a step: the root's forward starts a new micro-batch, where torch's refuses a second call. The
+    peaks (what the tests read) span the whole step; the per-module statistics are the last micro-batch's."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        if module in self.memory_tracking and not self._mod_tracker.is_bw \
+                and set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+            self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
 
 
 def real_steps(cfg, mesh=None) -> dict:

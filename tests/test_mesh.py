@@ -50,8 +50,7 @@ def test_no_collective_runs_over_a_one_rank_group(parallelism, world):
     with Planner(compose_cfg(*overrides), world_size=world, device="cuda") as planner:
         cfg = planner.point("full")
         probe, _ = planner._probe(cfg)
-    runs = [probe.first] + ([probe.accumulate] if probe.accumulate is not None else [])
-    collectives = [op.collective for run in runs for segment in run.segments.values() for op in segment.ops
+    collectives = [op.collective for run in probe.runs for segment in run.segments.values() for op in segment.ops
                    if op.collective is not None]
     assert collectives  # the probe records them
     assert [c for c in collectives if c.ranks == 1] == []
@@ -60,3 +59,26 @@ def test_no_collective_runs_over_a_one_rank_group(parallelism, world):
         assert {"all_gather", "reduce_scatter"} <= kinds
     if parallelism in ("ddp", "hsdp"):
         assert "all_reduce" in kinds
+
+
+@pytest.mark.parametrize("parallelism, world", [("ddp", 2), ("hsdp", 4), ("fsdp", 2)])
+def test_middle_micro_batches_accumulate_without_the_replicas_sync(parallelism, world):
+    """Four micro-batches: replicas all-reduce once per step, in the last; the probe records a middle micro-batch
+    apart from the last one only where they differ (replicas), and the replay gives it to micro-batches 1 and 2."""
+    overrides = [f"parallelism={parallelism}", f"train.global_batch_size={4 * world}", "train.micro_batch_size=1",
+                 "model=llama3_debug", "model.n_layers=2", "logger=none", "train.seq_len=32"]
+    if parallelism != "ddp":
+        overrides += [f"parallelism.dp_shard={world // 2 if parallelism == 'hsdp' else world}"]
+    with Planner(compose_cfg(*overrides), world_size=world, device="cuda") as planner:
+        probe, _ = planner._probe(planner.point("full"))
+
+    def reduces(run) -> int:
+        return sum(op.collective is not None and op.collective.kind == "all_reduce"
+                   for segment in run.segments.values() for op in segment.ops)
+
+    replays = [probe.run_of(i, 4) for i in range(4)]
+    if parallelism == "fsdp":
+        assert probe.middle is None and replays == [probe.first, probe.last, probe.last, probe.last]
+        return
+    assert reduces(probe.first) == reduces(probe.middle) == 0 < reduces(probe.last)
+    assert replays == [probe.first, probe.middle, probe.middle, probe.last]

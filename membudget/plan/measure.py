@@ -5,7 +5,8 @@ A probe is a model of a few blocks (a bottom, three periods of the AC policy's p
 blocks, or 3N+2 for "every N-th block"), built and parallelised by the trainer's `build_parallel_model` and run
 through its `forward_backward`: one warm-up micro-batch (it compiles, initialises FSDP2 and fills DTensor's
 caches), then a recorded one from no gradients (a step's first micro-batch) and, with accumulation, one that
-adds to them (as the step's last: with replicas it also all-reduces). The optimizer step (gradient clipping,
+adds to them (as the step's last: with replicas it also all-reduces) and, with replicas and three or more
+micro-batches, one between them that adds without the replicas' sync. The optimizer step (gradient clipping,
 AdamW) is recorded on this rank's shards of the whole model, first without optimizer states (step 1), then
 with them.
 
@@ -39,7 +40,7 @@ from membudget.internals import (
 from membudget.launch import Launch
 from membudget.metrics import ActivationCounter, local_tensor
 from membudget.offload import Offloader, find_offloader
-from membudget.parallel import build_mesh, clip_grad_norm, gradient_sync, mesh_size
+from membudget.parallel import build_mesh, clip_grad_norm, defers_sync, gradient_sync, mesh_size
 from membudget.rules import compile_enabled
 from membudget.schema import CompileBackend, block_policies
 from membudget.step import Numerics, build_optimizer, build_parallel_model, forward_backward
@@ -221,9 +222,11 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
     # Eager DTensor caches the shapes it derives by running ops on whole-size fake tensors (loss_parallel asks
     # for them); under a fake mode it would redo that in every step, and the recorder would count it.
     with fake, cached_dtensor_sharding_propagation(), cuda_attention(numerics), cuda_norm(numerics):
-        tokens = torch.randint(cfg.model.vocab_size, (micro_batch, cfg.train.seq_len + 1))
-        # contiguous copies, as the trainer's batches (data.py): a saved label is a storage of seq_len tokens
-        step = (model, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), counter)
+        tokens = torch.randint(cfg.model.vocab_size, (micro_batch * n_micro, cfg.train.seq_len + 1))
+        # as the trainer's: contiguous copies (data.py), split into micro-batches (trainer.train_step), so a saved
+        # label is a view of the step's batch of tokens
+        inputs, labels = (t.contiguous().split(micro_batch)[0] for t in (tokens[:, :-1], tokens[:, 1:]))
+        step = (model, inputs, labels, counter)
         # The warm-up compiles at the step's shapes and fills DTensor's caches for them; else (FSDP2's lazy
         # initialisation) a short sequence does
         shaped = compile_enabled(cfg) or mesh_size(mesh, "tp") > 1
@@ -234,7 +237,10 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
         handles = _marks(model, recorder)
         runs = []
         with recorder.tracking():
-            for last in ([n_micro == 1] if n_micro == 1 else [False, True]):
+            # the first micro-batch, a middle one where it syncs differently from the last, and the last
+            lasts = [True] if n_micro == 1 else [False, False, True] if n_micro > 2 and defers_sync(model, mesh) \
+                else [False, True]
+            for last in lasts:
                 recorder.start()
                 with gradient_sync(model, mesh, last=last):
                     # the loss dies here, as the trainer's does by the next step
@@ -244,7 +250,8 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
         for handle in handles:
             handle.remove()
     return Probe(
-        depth=depth, period=period, first=runs[0], accumulate=runs[1] if len(runs) > 1 else None,
+        depth=depth, period=period, first=runs[0], last=runs[-1] if len(runs) > 1 else None,
+        middle=runs[1] if len(runs) > 2 else None,
         parameters=_storage_sizes(outside), block_parameters=_storage_sizes(blocks[0].parameters()),
         buffers=_storage_sizes(model.buffers()),
         shards={"outside": [(local_tensor(p).shape, p.dtype) for p in outside],

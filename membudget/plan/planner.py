@@ -110,7 +110,7 @@ class Planner:
         probe = run_probe(cfg, self.mesh, self.groups, self.numerics, self.shape.micro_batch, depth, period,
                           self.shape.n_micro)
         layout = Layout(n, depth, period)
-        if depth < n and not all(consistent(r, layout) for r in (probe.first, probe.accumulate) if r is not None):
+        if depth < n and not all(consistent(r, layout) for r in probe.runs):
             log.warning("plan: the probe's middle blocks allocate differently; probing all %d blocks", n)
             probe = run_probe(cfg, self.mesh, self.groups, self.numerics, self.shape.micro_batch, n, 1,
                               self.shape.n_micro)

@@ -158,8 +158,7 @@ def two_steps(probe: Probe, opt: OptimizerRun, n_layers: int, n_micro: int, init
     phases = [init]
     for step in (1, 2):
         for micro in range(n_micro):
-            run = probe.first if micro == 0 else probe.accumulate
-            phases += _micro(run, layout, step, micro)
+            phases += _micro(probe.run_of(micro, n_micro), layout, step, micro)
         phases.append(_optimizer(opt, step))
     return phases
 

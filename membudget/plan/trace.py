@@ -98,13 +98,26 @@ class Probe:
     depth: int
     period: int
     first: Run  # a step's first micro-batch: from no gradients
-    accumulate: Optional[Run]  # a later micro-batch, adding to the gradients
+    last: Optional[Run]  # its last micro-batch when it has several: adding to the gradients, then synced
+    # a micro-batch between them, adding to the gradients without the replicas' sync (parallel.gradient_sync);
+    # None where it runs as the last does (no replicas, or fewer than three micro-batches)
+    middle: Optional[Run]
     parameters: list[int]  # storage bytes of this rank's parameters: outside the blocks, then one block's
     block_parameters: list[int]
     buffers: list[int]
     shards: dict[str, list[tuple[torch.Size, torch.dtype]]]  # this rank's parameter shapes: "outside", "block"
     full_sizes: list[int]  # bytes of each parameter at full size in fp32 (the largest is the CPU init transient)
     sharded: bool  # parameters are DTensors
+
+    @property
+    def runs(self) -> list[Run]:
+        return [run for run in (self.first, self.middle, self.last) if run is not None]
+
+    def run_of(self, micro: int, n_micro: int) -> Run:
+        """The recorded run that micro-batch `micro` of `n_micro` replays."""
+        if micro == 0:
+            return self.first
+        return self.middle if self.middle is not None and micro < n_micro - 1 else self.last
 
 
 @dataclass
