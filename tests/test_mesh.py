@@ -49,7 +49,7 @@ def test_no_collective_runs_over_a_one_rank_group(parallelism, world):
         overrides.append("parallelism.dp_shard=2")
     with Planner(compose_cfg(*overrides), world_size=world, device="cuda") as planner:
         cfg = planner.point("full")
-        probe, _ = planner._probe(cfg)
+        probe, _ = planner.probes.probe(cfg)
     collectives = [op.collective for run in probe.runs for segment in run.segments.values() for op in segment.ops
                    if op.collective is not None]
     assert collectives  # the probe records them
@@ -70,7 +70,7 @@ def test_middle_micro_batches_accumulate_without_the_replicas_sync(parallelism, 
     if parallelism != "ddp":
         overrides += [f"parallelism.dp_shard={world // 2 if parallelism == 'hsdp' else world}"]
     with Planner(compose_cfg(*overrides), world_size=world, device="cuda") as planner:
-        probe, _ = planner._probe(planner.point("full"))
+        probe, _ = planner.probes.probe(planner.point("full"))
 
     def reduces(run) -> int:
         return sum(op.collective is not None and op.collective.kind == "all_reduce"

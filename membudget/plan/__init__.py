@@ -5,14 +5,17 @@
     python -m membudget.plan ... ac=memory_budget ac.memory_budget=auto   # the fastest budget that fits
     python -m membudget.plan ... ac=per_block                             # the fastest policy per block that fits
 
-Layout: `record` (the op-level recorder) and `measure` (probes on fake tensors over a fake process group) measure;
-`replay` (the first two steps of the whole model), `allocator` (the CUDA caching allocator), `timing` (roofline,
-communication, overlap, offloading's copies) and `devices` model; `planner` plans and chooses, `blocks` chooses a
-policy per block; `result` holds a plan; `report` and `cli` write it.
+Layout, in the order of the data: `record` (the op-level recorder) and `measure` (probes on fake tensors over a
+fake process group) measure, and `trace` holds what they record; `replay` (the first two steps of the whole
+model), `allocator` (the CUDA caching allocator), `timing` (roofline, communication, overlap, offloading's copies)
+and `devices` model; `result` holds a plan; `probes` measures once per run what the plans of its settings share;
+`verdict` judges a plan against the device; `planner` plans one setting; `blocks` chooses a policy per block;
+`sweep` plans several settings and chooses among them; `report` and `cli` write the plans.
 """
 
-from .planner import SWEEP_BUDGETS, Planner, choose, choose_setting, choose_or_explain, plan_setting, plan_sweep
+from .planner import Planner
 from .result import Plan
+from .sweep import SWEEP_BUDGETS, choose, choose_or_explain, choose_setting, plan_setting, plan_sweep
 
 __all__ = ["SWEEP_BUDGETS", "Plan", "Planner", "choose", "choose_setting", "choose_or_explain", "plan_setting",
            "plan_sweep"]

@@ -85,7 +85,7 @@ def block_bytes(plan: Plan) -> int:
 
 
 def fits(plan_or_mix, target: int) -> bool:
-    """The verdict "fits" against `target`: a plan's own verdict at its own limit, else Planner._verdict's
+    """The verdict "fits" against `target`: a plan's own verdict at its own limit, else verdict.judge's
     first test."""
     if isinstance(plan_or_mix, Plan) and target == plan_or_mix.limit:
         return bool(plan_or_mix.fits)

@@ -13,7 +13,8 @@ from membudget.errors import UserError
 from membudget.schema import budget_of
 
 from .blocks import per_target, targets_between
-from .planner import Planner, is_auto, choose_or_explain, plan_setting, plan_sweep
+from .planner import Planner
+from .sweep import choose_or_explain, is_auto, plan_setting, plan_sweep
 from .report import blocks_markdown, non_monotonic, plan_markdown, plot_sweep, sweep_markdown
 
 log = logging.getLogger("membudget")

@@ -1,15 +1,15 @@
-"""Plan AC settings of one run: measure a probe, replay the whole model's first two steps, price them in memory
-(allocated and, through the caching-allocator model, reserved) and in time, and judge them against the device."""
+"""Plan AC settings of one run: a Planner holds the run (its fake process group, device, numerics, step shape and
+memory limit), makes the config of each AC setting (`point`), and assembles its plan (`plan`): the probes
+(probes.py) replayed as the whole model's first two steps, priced in memory (allocated and, through the
+caching-allocator model, reserved) and in time, and judged against the device (verdict.py)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import time
 from typing import Optional
 
-from membudget.ac import compiler_scope
 from membudget.errors import UserError
 from membudget.rules import SECTIONS, check_parallelism, check_train, compile_enabled, mesh_degrees, validate
 from membudget.schema import (
@@ -24,18 +24,17 @@ from membudget.schema import (
     parse_block_budgets,
 )
 from membudget.step import Numerics, StepShape
-from membudget.units import GiB, fmt_bytes, gib
 
 from .allocator import CachingAllocator
-from .blocks import best_single, choose_mix, single_budgets
-from .devices import CUDA_CONTEXT, NCCL_PER_COMMUNICATOR, assumed_device, expandable_segments
-from .measure import fake_world, probe_shape, run_optimizer, run_probe
-from .replay import Layout, Memory, consistent, simulate, two_steps
-from .result import DOES_NOT_FIT, FITS, NO_LIMIT, TIGHT, UNCERTAINTY, BlockCost, Plan, Setting, fits_within
+from .devices import assumed_device, expandable_segments
+from .measure import fake_world
+from .probes import Probes
+from .replay import simulate, two_steps
+from .result import BlockCost, Plan, Setting
 from .timing import cost, step_time
-from .trace import GRADIENTS, OptimizerRun
-
-log = logging.getLogger("membudget")
+from .trace import GRADIENTS
+from .verdict import Limit, judge
+from .verdict import overheads as gpu_overheads
 
 
 def resolve_world_size(cfg, world_size: Optional[int]) -> int:
@@ -63,20 +62,12 @@ class Planner:
         self.device = assumed_device(cfg.plan, target, local_ranks=self.world_size)  # CPU ranks share one host
         self.numerics = Numerics.for_target(cfg, target, self.device.capability)
         self.expandable = expandable_segments(cfg.plan)
-        self._optimizer_runs: dict = {}  # this rank's shards and the optimizer settings -> OptimizerRun
-        self._references: dict = {}  # the run without AC -> its forward and backward FLOPs per step
-        target_gib = cfg.ac.target_memory_gib
-        if target_gib is not None:
-            self.limit: Optional[int] = int(target_gib * GiB)
-            self.limit_source = f"ac.target_memory_gib={target_gib:g}"
-        else:
-            margin = cfg.plan.margin_gib
-            self.limit = self.device.memory - int(margin * GiB) if self.device.memory else None
-            self.limit_source = f"the device's {fmt_bytes(self.device.memory)} less plan.margin_gib={margin:g}"
+        self.limit = Limit.of(cfg, self.device)
 
     def __enter__(self) -> "Planner":
         self._world = fake_world(self.cfg.parallelism, self.world_size)
-        self.mesh, self.groups = self._world.__enter__()
+        self.mesh, groups = self._world.__enter__()
+        self.probes = Probes(self.mesh, groups, self.numerics, self.shape)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -103,43 +94,11 @@ class Planner:
         cfg.ac.runtime_estimator = RuntimeEstimator.flops  # "profile" times kernels, which fake tensors cannot run
         return cfg
 
-    # --- measurement ---------------------------------------------------------------------------------------
-    def _probe(self, cfg):
-        n = cfg.model.n_layers
-        depth, period = probe_shape(cfg, n)
-        probe = run_probe(cfg, self.mesh, self.groups, self.numerics, self.shape.micro_batch, depth, period,
-                          self.shape.n_micro)
-        layout = Layout(n, depth, period)
-        if depth < n and not all(consistent(r, layout) for r in probe.runs):
-            log.warning("plan: the probe's middle blocks allocate differently; probing all %d blocks", n)
-            probe = run_probe(cfg, self.mesh, self.groups, self.numerics, self.shape.micro_batch, n, 1,
-                              self.shape.n_micro)
-            layout = Layout(n, n, 1)
-        return probe, layout
-
-    def _optimizer(self, cfg, probe) -> OptimizerRun:
-        n = cfg.model.n_layers
-        shards = probe.shards["outside"][:1] + probe.shards["block"] * n + probe.shards["outside"][1:]
-        key = (tuple(shards), self.numerics.target, repr(cfg.optimizer), cfg.train.max_grad_norm)
-        if key not in self._optimizer_runs:
-            self._optimizer_runs[key] = run_optimizer(cfg, shards, self.numerics)
-        return self._optimizer_runs[key]
-
     def reference(self) -> dict[str, float]:
         """The step's FLOPs without AC and without compile: what recompute is counted against."""
-        key = (repr(self.cfg.model), repr(self.cfg.train), self.world_size, repr(self.degrees), self.numerics)
-        if key not in self._references:
-            cfg = self.point("none")
-            cfg.compile.enabled = False
-            with compiler_scope(cfg.ac):
-                probe, layout = self._probe(cfg)
-            flops = {"forward": 0, "backward": 0}
-            for kind, j in layout.order():
-                segment = probe.first.segments.get(layout.segment_name(kind, j))
-                if segment is not None:
-                    flops["backward" if kind in ("output backward", "backward") else "forward"] += segment.flops
-            self._references[key] = {k: self.shape.n_micro * v for k, v in flops.items()}
-        return self._references[key]
+        none = self.point("none")
+        none.compile.enabled = False
+        return self.probes.reference(none)
 
     # --- one plan ------------------------------------------------------------------------------------------
     def plan(self, cfg, label: Optional[str] = None, recompute: bool = True) -> Plan:
@@ -147,9 +106,8 @@ class Planner:
         probe, once per Planner's run)."""
         start = time.perf_counter()
         n = cfg.model.n_layers
-        with compiler_scope(cfg.ac, n_layers=n):
-            probe, layout = self._probe(cfg)
-        optimizer = self._optimizer(cfg, probe)
+        probe, layout = self.probes.probe(cfg)
+        optimizer = self.probes.optimizer(cfg, probe)
         transient = 0
         if probe.sharded and self.numerics.target == "cpu":  # model.init_: one parameter at a time at full size
             transient = max(probe.full_sizes)
@@ -162,8 +120,8 @@ class Planner:
             reserved = simulate(phases, CachingAllocator(expandable=self.expandable))
             reserved_other = simulate(phases, CachingAllocator(expandable=not self.expandable)).reserved
             max_allocated = reserved.allocator_allocated
-            overheads = self._overheads()
-        verdict, reason, judged = self._verdict(phases, allocated, reserved, overheads)
+            overheads = gpu_overheads(self.degrees)
+        verdict, reason, judged = judge(phases, allocated, reserved, overheads, self.limit, self.expandable)
         step2 = [p for p in phases if p.step == 2]
         offloaded = {j: probe.first.host_per_block.get(layout.rep(j), 0) for j in range(n)}
         timing = step_time(step2, self.device, self.degrees, offloaded)
@@ -191,8 +149,8 @@ class Planner:
             reserved_other=reserved_other,
             max_allocated=max_allocated,
             overheads=overheads,
-            limit=self.limit,
-            limit_source=self.limit_source,
+            limit=self.limit.nbytes,
+            limit_source=self.limit.source,
             verdict=verdict,
             verdict_reason=reason,
             judged_bytes=judged,
@@ -205,39 +163,6 @@ class Planner:
             policies=compact_policies(block_policies(cfg.ac, n)),
             host_bytes=sum(probe.first.host_per_block.get(layout.rep(j), 0) for j in range(n)),
         )
-
-    def _overheads(self) -> dict[str, int]:
-        communicators = sum(1 for d in self.degrees.values() if d > 1)
-        terms = {"CUDA context": CUDA_CONTEXT}
-        if communicators:
-            terms["NCCL buffers"] = communicators * NCCL_PER_COMMUNICATOR
-        return terms
-
-    def _verdict(self, phases, allocated: Memory, reserved: Optional[Memory],
-                 overheads: dict) -> tuple[str, str, int]:
-        """(verdict, why, the bytes judged against the limit)."""
-        # A device's memory holds the CUDA context and NCCL's buffers too; ac.target_memory_gib bounds what
-        # PyTorch's allocator reserves (what max_memory_reserved shows)
-        extra = sum(overheads.values()) if self.cfg.ac.target_memory_gib is None else 0
-        need = (reserved.reserved.nbytes if reserved is not None else allocated.allocated.nbytes) + extra
-        if not self.limit:
-            return NO_LIMIT, "no memory limit known: set ac.target_memory_gib", need
-        limit = self.limit
-        needs = f"needs {fmt_bytes(need)} of {fmt_bytes(limit)}"
-        if fits_within(need, limit):
-            return FITS, needs, need
-        if reserved is None:
-            if need <= limit:
-                return TIGHT, f"{needs}: within the plan's {UNCERTAINTY:.0%} uncertainty of the limit", need
-            return DOES_NOT_FIT, needs, need
-        capped = simulate(phases, CachingAllocator(expandable=self.expandable, capacity=limit - extra))
-        if capped.ooms:
-            return (DOES_NOT_FIT, f"{needs}; even releasing the allocator's cache, {capped.ooms} allocation(s) fail",
-                    need)
-        if need <= limit:
-            return TIGHT, f"{needs}: within the plan's {UNCERTAINTY:.0%} uncertainty of the limit", need
-        return TIGHT, (f"{needs} with a full cache; fits only by releasing cached memory ({capped.retries} "
-                       f"cudaMalloc retries in two steps: slower)"), need
 
     def _blocks(self, cfg, probe, layout) -> list[BlockCost]:
         """Per probe block: what it keeps and costs, for choosing policies block by block."""
@@ -289,82 +214,3 @@ def _gradients(phases) -> int:
             elif event[0] == "f":
                 live.pop(event[1], None)
     return sum(live.values())
-
-
-# --- entry points ----------------------------------------------------------------------------------------
-
-SWEEP_BUDGETS = tuple(round(0.1 * i, 1) for i in range(11))
-OFFLOADS = ("none", "selective", "full")  # what an offloading block also does (ac.offload_with)
-
-
-def _label(cfg, mode: str, budget=None, **ac) -> str:
-    return ac_label({"mode": mode, "memory_budget": budget, "selective_option": str(cfg.ac.selective_option), **ac})
-
-
-def is_auto(cfg) -> bool:
-    """Whether the run leaves its AC setting to the planner (ac.memory_budget=auto or ac.blocks=auto)."""
-    return (str(cfg.ac.mode) == "memory_budget" and cfg.ac.memory_budget == "auto") or (
-        str(cfg.ac.mode) == "per_block" and cfg.ac.blocks == "auto")
-
-
-def plan_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> Plan:
-    """The plan of `cfg`'s own AC setting; for auto, of the setting it chooses."""
-    if is_auto(cfg):
-        return choose_setting(cfg, world_size, device)[1]
-    budget = cfg.ac.memory_budget if str(cfg.ac.mode) == "memory_budget" else None
-    with Planner(cfg, world_size, device) as planner:
-        return planner.plan(planner.point(cfg.ac.mode, budget))
-
-
-def plan_sweep(cfg, world_size: Optional[int] = None, references: bool = True,
-               device: Optional[str] = None, offload: bool = False) -> list[Plan]:
-    """none, full, selective (as configured) and memory budgets 0.0, 0.1, ..., 1.0; `offload`: also every block
-    offloading (with none, selective op and full AC), where that saves device memory (a GPU)."""
-    with Planner(cfg, world_size, device) as planner:
-        points = [(m, None, {}) for m in ("none", "full", "selective")] if references else []
-        points += [("memory_budget", b, {}) for b in SWEEP_BUDGETS]
-        if offload and planner.device.is_gpu:
-            points += [("offload", None, {"offload_with": w, "selective_option": "op"}) for w in OFFLOADS]
-        return [planner.plan(planner.point(m, b, **ac), _label(cfg, m, b, **ac)) for m, b, ac in points]
-
-
-def choose(plans: list[Plan]) -> Optional[Plan]:
-    """The fastest single budget whose planned peak fits (without a time model: the least recompute), ties to
-    the lower peak, then the higher budget; None when none fits or no limit is known."""
-    limit = plans[0].limit if plans else None
-    return best_single(single_budgets(plans), limit) if limit else None
-
-
-def choose_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> tuple[object, Plan]:
-    """For auto: the fastest setting whose reserved peak fits ac.target_memory_gib (default: the device's memory
-    less plan.margin_gib); `device`: the one the run trains on (see Planner). ac.memory_budget=auto chooses among
-    budgets, one or one per block; ac.blocks=auto a policy per block. UserError when none fits."""
-    policies = str(cfg.ac.mode) == "per_block"
-    plans = plan_sweep(cfg, world_size, references=policies, device=device, offload=policies)
-    return choose_or_explain(plans, cfg, world_size, device)
-
-
-def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int],
-                      device: Optional[str] = None) -> tuple[object, Plan]:
-    """(the choice: a budget, per-block budgets as "0.3*8+0.6*24", or under ac=per_block the blocks' policies as
-    "full*4+none*28"; its plan) from a sweep's plans."""
-    key = "ac.blocks" if str(cfg.ac.mode) == "per_block" else "ac.memory_budget"
-    if plans[0].verdict == NO_LIMIT:
-        raise UserError(f"{key}=auto: no memory limit known for this device: set ac.target_memory_gib=N (GiB)")
-    candidates = plans if key == "ac.blocks" else single_budgets(plans)
-    best = best_single(candidates, plans[0].limit)
-    with Planner(cfg, world_size, device) as planner:
-        mixed = choose_mix(planner, candidates, plans[0].limit, best)
-    chosen = mixed or best
-    if chosen is not None:
-        return (chosen.policies if key == "ac.blocks" else chosen.memory_budget), chosen
-    lowest = min(plans, key=lambda p: p.reserved_peak)
-    full = next((p for p in plans if p.ac_mode == "full"), None)
-    if full is None:
-        with Planner(cfg, world_size, device) as planner:
-            full = planner.plan(planner.point("full"), "full")
-    raise UserError(
-        f"{key}=auto: no setting fits {gib(lowest.limit)} GiB per rank on {lowest.device.name} "
-        f"(lowest planned reserved peak {gib(lowest.reserved_peak)} GiB, {lowest.label}: {lowest.verdict}); "
-        f"ac=full plans {gib(full.reserved_peak)} GiB ({full.verdict}); or lower train.micro_batch_size / "
-        f"train.seq_len, or shard over more ranks (parallelism=fsdp with a larger plan.world_size)")

@@ -1,0 +1,64 @@
+"""What a Planner measures, each once: the probe of an AC setting (measure.run_probe; probed again at full depth
+when its middle blocks allocate differently from one another), the optimizer step on this rank's shards, and
+the FLOPs of the run without AC that recompute is counted against."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from membudget.ac import compiler_scope
+from membudget.step import Numerics, StepShape
+
+from .measure import probe_shape, run_optimizer, run_probe
+from .replay import Layout, consistent
+from .trace import OptimizerRun, Probe
+
+log = logging.getLogger("membudget")
+
+
+class Probes:
+    """The measurements of one run (its mesh, numerics and step shape) under any AC setting."""
+
+    def __init__(self, mesh, groups: dict, numerics: Numerics, shape: StepShape):
+        self.mesh, self.groups, self.numerics, self.shape = mesh, groups, numerics, shape
+        self._optimizer_runs: dict = {}  # this rank's shards and the optimizer settings -> OptimizerRun
+        self._reference: Optional[dict[str, float]] = None
+
+    def probe(self, cfg) -> tuple[Probe, Layout]:
+        """The probe of `cfg` (a Planner's point) under its compiler settings, and how it lays out the model."""
+        n = cfg.model.n_layers
+        depth, period = probe_shape(cfg, n)
+        with compiler_scope(cfg.ac, n_layers=n):
+            probe = self._run(cfg, depth, period)
+            layout = Layout(n, depth, period)
+            if depth < n and not all(consistent(r, layout) for r in probe.runs):
+                log.warning("plan: the probe's middle blocks allocate differently; probing all %d blocks", n)
+                probe, layout = self._run(cfg, n, 1), Layout(n, n, 1)
+        return probe, layout
+
+    def _run(self, cfg, depth: int, period: int) -> Probe:
+        return run_probe(cfg, self.mesh, self.groups, self.numerics, self.shape.micro_batch, depth, period,
+                         self.shape.n_micro)
+
+    def optimizer(self, cfg, probe: Probe) -> OptimizerRun:
+        """Gradient clipping and AdamW on this rank's shards of the whole model (the same for every AC setting)."""
+        n = cfg.model.n_layers
+        shards = probe.shards["outside"][:1] + probe.shards["block"] * n + probe.shards["outside"][1:]
+        key = (tuple(shards), self.numerics.target, repr(cfg.optimizer), cfg.train.max_grad_norm)
+        if key not in self._optimizer_runs:
+            self._optimizer_runs[key] = run_optimizer(cfg, shards, self.numerics)
+        return self._optimizer_runs[key]
+
+    def reference(self, none) -> dict[str, float]:
+        """The step's forward and backward FLOPs of `none` (the run without AC and without compile): what
+        recompute is counted against."""
+        if self._reference is None:
+            probe, layout = self.probe(none)
+            flops = {"forward": 0, "backward": 0}
+            for kind, j in layout.order():
+                segment = probe.first.segments.get(layout.segment_name(kind, j))
+                if segment is not None:
+                    flops["backward" if kind in ("output backward", "backward") else "forward"] += segment.flops
+            self._reference = {k: self.shape.n_micro * v for k, v in flops.items()}
+        return self._reference

@@ -1,0 +1,91 @@
+"""The planner's entry points: the plan of a run's own AC setting, a sweep over settings, and the choice for
+ac.memory_budget=auto and ac.blocks=auto (one setting, or a policy per block), explained when none fits."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from membudget.errors import UserError
+from membudget.schema import ac_label
+from membudget.units import gib
+
+from .blocks import best_single, choose_mix, single_budgets
+from .planner import Planner
+from .result import NO_LIMIT, Plan
+
+
+SWEEP_BUDGETS = tuple(round(0.1 * i, 1) for i in range(11))
+OFFLOADS = ("none", "selective", "full")  # what an offloading block also does (ac.offload_with)
+
+
+def _label(cfg, mode: str, budget=None, **ac) -> str:
+    return ac_label({"mode": mode, "memory_budget": budget, "selective_option": str(cfg.ac.selective_option), **ac})
+
+
+def is_auto(cfg) -> bool:
+    """Whether the run leaves its AC setting to the planner (ac.memory_budget=auto or ac.blocks=auto)."""
+    return (str(cfg.ac.mode) == "memory_budget" and cfg.ac.memory_budget == "auto") or (
+        str(cfg.ac.mode) == "per_block" and cfg.ac.blocks == "auto")
+
+
+def plan_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> Plan:
+    """The plan of `cfg`'s own AC setting; for auto, of the setting it chooses."""
+    if is_auto(cfg):
+        return choose_setting(cfg, world_size, device)[1]
+    budget = cfg.ac.memory_budget if str(cfg.ac.mode) == "memory_budget" else None
+    with Planner(cfg, world_size, device) as planner:
+        return planner.plan(planner.point(cfg.ac.mode, budget))
+
+
+def plan_sweep(cfg, world_size: Optional[int] = None, references: bool = True,
+               device: Optional[str] = None, offload: bool = False) -> list[Plan]:
+    """none, full, selective (as configured) and memory budgets 0.0, 0.1, ..., 1.0; `offload`: also every block
+    offloading (with none, selective op and full AC), where that saves device memory (a GPU)."""
+    with Planner(cfg, world_size, device) as planner:
+        points = [(m, None, {}) for m in ("none", "full", "selective")] if references else []
+        points += [("memory_budget", b, {}) for b in SWEEP_BUDGETS]
+        if offload and planner.device.is_gpu:
+            points += [("offload", None, {"offload_with": w, "selective_option": "op"}) for w in OFFLOADS]
+        return [planner.plan(planner.point(m, b, **ac), _label(cfg, m, b, **ac)) for m, b, ac in points]
+
+
+def choose(plans: list[Plan]) -> Optional[Plan]:
+    """The fastest single budget whose planned peak fits (without a time model: the least recompute), ties to
+    the lower peak, then the higher budget; None when none fits or no limit is known."""
+    limit = plans[0].limit if plans else None
+    return best_single(single_budgets(plans), limit) if limit else None
+
+
+def choose_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> tuple[object, Plan]:
+    """For auto: the fastest setting whose reserved peak fits ac.target_memory_gib (default: the device's memory
+    less plan.margin_gib); `device`: the one the run trains on (see Planner). ac.memory_budget=auto chooses among
+    budgets, one or one per block; ac.blocks=auto a policy per block. UserError when none fits."""
+    policies = str(cfg.ac.mode) == "per_block"
+    plans = plan_sweep(cfg, world_size, references=policies, device=device, offload=policies)
+    return choose_or_explain(plans, cfg, world_size, device)
+
+
+def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int],
+                      device: Optional[str] = None) -> tuple[object, Plan]:
+    """(the choice: a budget, per-block budgets as "0.3*8+0.6*24", or under ac=per_block the blocks' policies as
+    "full*4+none*28"; its plan) from a sweep's plans."""
+    key = "ac.blocks" if str(cfg.ac.mode) == "per_block" else "ac.memory_budget"
+    if plans[0].verdict == NO_LIMIT:
+        raise UserError(f"{key}=auto: no memory limit known for this device: set ac.target_memory_gib=N (GiB)")
+    candidates = plans if key == "ac.blocks" else single_budgets(plans)
+    best = best_single(candidates, plans[0].limit)
+    with Planner(cfg, world_size, device) as planner:
+        mixed = choose_mix(planner, candidates, plans[0].limit, best)
+    chosen = mixed or best
+    if chosen is not None:
+        return (chosen.policies if key == "ac.blocks" else chosen.memory_budget), chosen
+    lowest = min(plans, key=lambda p: p.reserved_peak)
+    full = next((p for p in plans if p.ac_mode == "full"), None)
+    if full is None:
+        with Planner(cfg, world_size, device) as planner:
+            full = planner.plan(planner.point("full"), "full")
+    raise UserError(
+        f"{key}=auto: no setting fits {gib(lowest.limit)} GiB per rank on {lowest.device.name} "
+        f"(lowest planned reserved peak {gib(lowest.reserved_peak)} GiB, {lowest.label}: {lowest.verdict}); "
+        f"ac=full plans {gib(full.reserved_peak)} GiB ({full.verdict}); or lower train.micro_batch_size / "
+        f"train.seq_len, or shard over more ranks (parallelism=fsdp with a larger plan.world_size)")
