@@ -56,6 +56,7 @@ from membudget.rules import compile_enabled, validate
 from membudget.rundir import RunDirLock, start_fresh
 from membudget.schema import ACMode, NonFinite, ac_label, block_policies, budget_of, compact_policies
 from membudget.step import Numerics, StepShape, build_model, build_optimizer, forward_backward
+from membudget.units import GiB, MiB
 
 log = logging.getLogger("membudget")
 
@@ -614,7 +615,7 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
                 summary = summarize(run)
                 log.info("done: %s; final loss %s, median %.0f tok/s (compilation excluded), activations %.1f MiB, "
                          "peak memory %.2f GiB", run.label, summary["final_loss"], summary["median_tokens_per_s"] or 0,
-                         (summary["activation_bytes"] or 0) / 2**20, (summary["peak_memory_bytes"] or 0) / 2**30)
+                         (summary["activation_bytes"] or 0) / MiB, (summary["peak_memory_bytes"] or 0) / GiB)
             except Stopped as e:
                 summary, stopped = {**summarize(run), "status": e.status, "stopped": str(e)}, e
             except BaseException as e:

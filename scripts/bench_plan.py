@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from membudget.plan import Planner, plan_setting, plan_sweep  # noqa: E402
 from membudget.plan.blocks import best_single, cost, fits, per_target, targets_between  # noqa: E402
-from membudget.plan.result import UNCERTAINTY  # noqa: E402
+from membudget.plan.result import limit_for  # noqa: E402
 from membudget.plan.report import blocks_markdown  # noqa: E402
 from membudget.devices import GPUS  # noqa: E402
 from membudget.plan.evidence import error, plan_row, ranked_pairs, rows, speed_summary  # noqa: E402
@@ -104,7 +104,7 @@ def blocks(most_targets: int = 2) -> str:
         cfg = compose_cfg(COMMON + overrides)
         plans = plan_sweep(cfg, offload=True)
         full = next(p for p in plans if p.label == "full")
-        at_full = int(full.judged_bytes / (1 - UNCERTAINTY)) + 1  # full AC just fits: its own memory
+        at_full = int(limit_for(full.judged_bytes)) + 1  # full AC just fits: its own memory
         targets = [at_full] + [t for t in targets_between(plans, plans[0].limit, most_targets) if t != at_full]
         with Planner(cfg) as planner:
             choices = per_target(planner, plans, targets)

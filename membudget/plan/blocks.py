@@ -30,7 +30,7 @@ import numpy as np
 from membudget.schema import BlockPolicy, compact_budgets, compact_policies, parse_block_policies
 from membudget.units import fmt_bytes
 
-from .result import UNCERTAINTY, Plan, fits_within
+from .result import Plan, fits_within, limit_for, usable
 
 log = logging.getLogger("membudget")
 
@@ -123,7 +123,7 @@ def assign(plans: list[Plan], n_layers: int, target: int) -> Optional[Mix]:
     time for each number of grid steps of memory. Exact for the estimate, up to one grid step per block."""
     options = [(policy, plan, block_bytes(plan), plan.judged_bytes - n_layers * block_bytes(plan), cost(plan))
                for policy, plan in uniform(plans)]
-    budget = target * (1 - UNCERTAINTY)
+    budget = usable(target)
     best: Optional[Mix] = None
     for level in sorted({base for *_, base, _ in options}):
         allowed = [o for o in options if o[3] <= level]
@@ -201,7 +201,7 @@ def choose_mix(planner, plans: list[Plan], target: int, single: Optional[Plan] =
                 if plan.judged_bytes >= mix.judged_bytes:
                     break  # the estimate was not pessimistic: a larger aim would not fit
             # aim where the estimate's error puts the real target
-            aim = int(aim + (target - plan.judged_bytes / (1 - UNCERTAINTY)))
+            aim = int(aim + (target - limit_for(plan.judged_bytes)))
     return best if best is not single else None
 
 
@@ -210,7 +210,7 @@ def targets_between(plans: list[Plan], limit: int, most: int = 5) -> list[int]:
     that fit `limit` (a mix spends what the next setting up would have needed), at most `most`, largest first."""
     peaks = sorted({p.judged_bytes for _, p in uniform(plans)})
     gaps = [(lo, hi) for lo, hi in zip(peaks, peaks[1:]) if hi > lo * 1.01]  # plateaus are one point
-    points = [int((lo + (hi - lo) / 2) / (1 - UNCERTAINTY)) for lo, hi in gaps]
+    points = [int(limit_for(lo + (hi - lo) / 2)) for lo, hi in gaps]
     points = [t for t in points if t <= limit]
     if len(points) > most:  # spread over the range
         points = [points[round(i * (len(points) - 1) / (most - 1))] for i in range(most)]

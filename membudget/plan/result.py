@@ -21,7 +21,17 @@ UNCERTAINTY = 0.05
 
 def fits_within(need: int, limit: int) -> bool:
     """The verdict "fits": `need` at least the plan's uncertainty under `limit`."""
-    return need <= limit * (1 - UNCERTAINTY)
+    return need <= usable(limit)
+
+
+def usable(limit: float) -> float:
+    """The most a plan may need and still fit `limit`."""
+    return limit * (1 - UNCERTAINTY)
+
+
+def limit_for(need: float) -> float:
+    """The least limit that `need` fits."""
+    return need / (1 - UNCERTAINTY)
 
 FITS, TIGHT, DOES_NOT_FIT, NO_LIMIT = "fits", "tight", "does not fit", "no limit known"
 
