@@ -25,6 +25,10 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from membudget.errors import UserError
 from membudget.internals import (
+    SDPA_CUDNN,
+    SDPA_EFFICIENT,
+    SDPA_FLASH,
+    SDPA_FLASH_CPU,
     BlockWrapper,
     checkpoint_wrapper,
     dynamo_recompile_limit,
@@ -41,10 +45,10 @@ aten = torch.ops.aten
 # Ops whose outputs selective AC saves: expensive to recompute, cheap to keep relative to their FLOPs.
 SAVE_OPS = {
     aten.mm.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    SDPA_EFFICIENT.default,
+    SDPA_FLASH.default,
+    SDPA_CUDNN.default,
+    SDPA_FLASH_CPU.default,
     aten.max.default,
 }
 

@@ -120,8 +120,8 @@ GPUS = {
 # FITTED names, per entry, each scalar fitted and the one public row it was fitted to (docs/planner/evidence.csv);
 # that row is then not evidence, every other row is held out.
 GPUS["H100-96GB@500W"] = replace(GPUS["H100-96GB"], name="H100 96GB HBM2e (SXM) at 500 W", power_limit_w=500,
-                                 compute_scale=0.736)
-GPUS["A100-80GB"] = replace(GPUS["A100-80GB"], compute_scale=0.874)
+                                 compute_scale=0.738)
+GPUS["A100-80GB"] = replace(GPUS["A100-80GB"], compute_scale=0.895)
 FITTED = {"H100-96GB@500W": {"compute_scale": "tt2412-t1-compile"}, "A100-80GB": {"compute_scale": "tt2404-l3-8b-op"}}
 
 

@@ -1,17 +1,19 @@
 """Every private API of PyTorch, Hydra and Hugging Face datasets that membudget uses, each in one place, with
 what it stands in for.
 
-When a public API appears for one of these, only this file changes. One exception: the Optuna sweeper's
-SamplerConfig, imported in hydra_plugins/membudget_search, which Hydra imports at every start and must not
-import torch (as this module does).
+When a public API appears for one of these, only this file changes. Two exceptions, imported where Hydra loads
+them before any run starts, which must not import torch (as this module does): the Optuna sweeper's
+SamplerConfig (hydra_plugins/membudget_search) and Hydra's experimental Callback (rundir.py, the run-dir lock).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+from unittest import mock
 
 import torch
+import torch.nn.functional as F
 
 # torch.utils._pytree: flattening nested args/outputs; stands in for a public pytree API (optree is not a
 # dependency of torch on every platform).
@@ -50,6 +52,56 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 # torch.distributed._functional_collectives.wait_tensor: waits on an async collective's output; the
 # public Work.wait() has no tensor-level form that Dynamo traces.
 from torch.distributed._functional_collectives import wait_tensor  # noqa: F401
+
+# torch.utils.flop_counter.flop_registry: torch's FLOP formula per aten op, the table behind FlopCounterMode; the
+# public mode counts a whole region, the planner's recorder needs each op's.
+from torch.utils.flop_counter import flop_registry  # noqa: F401
+
+# torch.utils.weak.WeakIdKeyDictionary: a dict keyed by a tensor's or storage's identity that does not keep it
+# alive (weakref.WeakKeyDictionary hashes by value, which tensors do not support).
+from torch.utils.weak import WeakIdKeyDictionary  # noqa: F401
+
+# The kernels behind F.scaled_dot_product_attention and F.rms_norm: underscored aten ops, which torch picks per
+# device and input. Selective AC saves the attention kernels' outputs; the planner counts their FLOPs and runs the
+# CUDA kernels' meta functions on a CPU. The public functions cannot name a kernel.
+_aten = torch.ops.aten
+SDPA_FLASH = _aten._scaled_dot_product_flash_attention
+SDPA_FLASH_BACKWARD = _aten._scaled_dot_product_flash_attention_backward
+SDPA_EFFICIENT = _aten._scaled_dot_product_efficient_attention
+SDPA_EFFICIENT_BACKWARD = _aten._scaled_dot_product_efficient_attention_backward
+SDPA_CUDNN = _aten._scaled_dot_product_cudnn_attention
+SDPA_CUDNN_BACKWARD = _aten._scaled_dot_product_cudnn_attention_backward
+SDPA_FLASH_CPU = _aten._scaled_dot_product_flash_attention_for_cpu
+SDPA_FLASH_CPU_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward
+FUSED_RMS_NORM = _aten._fused_rms_norm
+FUSED_RMS_NORM_BACKWARD = _aten._fused_rms_norm_backward
+SCALED_MM = _aten._scaled_mm  # float8 GEMMs
+
+# torch.ops._c10d_functional.wait_tensor: the op a functional collective's wait dispatches (DTensor, compiled
+# graphs), which the planner's recorder sees below autograd.
+WAIT_TENSOR_OP = torch.ops._c10d_functional.wait_tensor.default
+
+
+@contextlib.contextmanager
+def functional_replaced(name: str, replacement: Callable) -> Iterator[None]:
+    """torch.nn.functional.<name> is `replacement` inside: the planner runs on a CPU the kernel CUDA would pick
+    (attention, fused RMSNorm), which torch offers no hook to choose."""
+    with mock.patch.object(F, name, replacement):
+        yield
+
+
+@contextlib.contextmanager
+def storage_resizes(callback: Callable[[torch.UntypedStorage, int], None]) -> Iterator[None]:
+    """`callback(storage, nbytes)` after every UntypedStorage.resize_ inside: FSDP2 frees and re-allocates its
+    all-gather buffers by resizing their storages, which no dispatch mode sees."""
+    resize = torch.UntypedStorage.resize_
+
+    def tracked(storage, nbytes):
+        resize(storage, nbytes)
+        callback(storage, nbytes)
+
+    with mock.patch.object(torch.UntypedStorage, "resize_", tracked):
+        yield
 
 
 @contextlib.contextmanager

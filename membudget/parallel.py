@@ -37,7 +37,7 @@ from membudget.offload import OffloadedBlock
 from membudget.internals import wait_tensor
 from membudget.launch import Launch
 from membudget.rules import compile_enabled, mesh_degrees
-from membudget.schema import TrainDType
+from membudget.schema import FSDPOuter, TrainDType
 
 
 def build_mesh(p, launch: Launch, device: torch.device) -> Optional[DeviceMesh]:
@@ -112,10 +112,11 @@ def apply_compile(model: nn.Module, cfg, backend=None) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg, device: torch.device) -> None:
-    """FSDP2 groups, each gathered just before it is used and freed after: the embedding, every block, and
-    [final norm, output] (one group with the embedding when they share a weight). The last block and the
-    output group stay gathered after forward, as backward needs them at once; the output group's gradient is
-    reduced as soon as its backward ends, not held to the end of the step. Over dp_replicate alone (DDP) the
+    """FSDP2 groups, each gathered just before it is used and freed after: every block, and (parallelism.fsdp_outer
+    =split) the embedding and [final norm, output] (one group with the embedding when they share a weight). The
+    last block and the output group stay gathered after forward, as backward needs them at once; the output
+    group's gradient is reduced as soon as its backward ends, not held to the end of the step. With
+    fsdp_outer=root the three stay in the root group instead, which FSDP2 keeps gathered through the step. Over dp_replicate alone (DDP) the
     groups are replicated by FSDP2's `replicate`, which neither shards nor gathers."""
     # bf16 compute with fp32 gradient reduction on GPU; CPU stays in fp32 like the single-process run
     mp = MixedPrecisionPolicy()
@@ -132,12 +133,14 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg, device: torch.device)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         shard(block, reshard_after_forward=i < len(blocks) - 1)
-    if model.args.tie_embeddings:
-        shard([model.tok_embeddings, model.norm, model.output], reshard_after_forward=False)
-    else:
-        shard(model.tok_embeddings)
-        shard([model.norm, model.output], reshard_after_forward=False)
-    shard(model)  # the root: no parameters of its own, runs the lazy init
+    if cfg.parallelism.fsdp_outer == FSDPOuter.split:
+        if model.args.tie_embeddings:
+            shard([model.tok_embeddings, model.norm, model.output], reshard_after_forward=False)
+        else:
+            shard(model.tok_embeddings)
+            shard([model.norm, model.output], reshard_after_forward=False)
+    # the root runs the lazy init and holds what no group took; FSDP2 keeps it gathered after forward
+    shard(model)
 
 
 def parallelize(model: nn.Module, cfg, mesh: Optional[DeviceMesh] = None,

@@ -43,6 +43,13 @@ class OffloadWith(Choice):
     full = "full"
 
 
+class FSDPOuter(Choice):
+    """How FSDP2 groups the parameters outside the blocks (embedding, final norm, output)."""
+
+    split = "split"
+    root = "root"
+
+
 class CompileBackend(Choice):
     inductor = "inductor"
     aot_eager_decomp_partition = "aot_eager_decomp_partition"
@@ -240,6 +247,12 @@ class ParallelismConfig:
     """FSDP mixed precision on GPU: the dtype parameters are gathered and computed in."""
     reduce_dtype: DType = DType.float32
     """FSDP mixed precision on GPU: the dtype gradients are reduced in."""
+    fsdp_outer: FSDPOuter = FSDPOuter.split
+    """FSDP2's groups outside the blocks. split: the embedding is a group of its own, gathered for its forward and
+    again for its backward, and [final norm, output] one kept gathered from its forward to its backward, whose
+    gradient is reduced as soon as that backward ends. root: all three in the root group (as torchtitan groups
+    them), gathered through the whole step and reduced after the embedding's backward: the output's gradient is
+    held through the backward of every block."""
     timeout_s: int = 600
     """Collectives that wait longer than this fail instead of hanging (a rank died, a node was lost)."""
 

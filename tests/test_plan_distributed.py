@@ -1,7 +1,8 @@
 """The plan for two ranks equals real two-rank steps over gloo: FSDP2 compiled under a memory budget (eight blocks,
 planned from a probe of five, with FSDP2's buffers freed by neighbouring blocks and carried across steps), TP
-with selective AC, and DDP over three micro-batches (the middle one accumulates without the all-reduce; planned as
-the last one, synced, it read 2.4x the real peak)."""
+with selective AC, DDP over three micro-batches (the middle one accumulates without the all-reduce; planned as
+the last one, synced, it read 2.4x the real peak), and FSDP2 with the embedding, norm and (tied) output in the
+root group, as torchtitan groups them."""
 
 import json
 import os
@@ -17,7 +18,9 @@ TWO_RANKS = ["logger=none", "train.device=cpu", FAST_COMPILE, "train.seq_len=64"
 SETTINGS = {"fsdp": ["parallelism=fsdp", "ac=memory_budget", "ac.memory_budget=0.5", "model.n_layers=8",
                      "train.global_batch_size=4"],
             "tp": ["parallelism=tp", "ac=selective", "train.global_batch_size=4"],
-            "ddp": ["parallelism=ddp", "train.global_batch_size=6", "train.micro_batch_size=1"]}
+            "ddp": ["parallelism=ddp", "train.global_batch_size=6", "train.micro_batch_size=1"],
+            "fsdp root": ["parallelism=fsdp", "parallelism.fsdp_outer=root", "model.tie_embeddings=true",
+                          "train.global_batch_size=4"]}
 
 
 @pytest.mark.slow

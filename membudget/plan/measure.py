@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 from typing import Iterator, Optional
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -30,10 +29,15 @@ from torch.distributed.tensor import DTensor
 
 from membudget.errors import UserError
 from membudget.internals import (
+    FUSED_RMS_NORM,
+    FUSED_RMS_NORM_BACKWARD,
+    SDPA_EFFICIENT,
+    SDPA_FLASH,
     FakeTensorMode,
     below_autograd,
     cached_dtensor_sharding_propagation,
     decomposing_partitioning_backend,
+    functional_replaced,
     register_fake_process_group,
     storage_key,
 )
@@ -47,8 +51,6 @@ from membudget.step import Numerics, build_optimizer, build_parallel_model, forw
 
 from .record import Recorder, fused_graph
 from .trace import ACTIVATIONS, COMMUNICATION, GRADIENTS, Alloc, OptimizerRun, Probe, Run
-
-aten = torch.ops.aten
 
 
 
@@ -81,15 +83,14 @@ def cuda_attention(numerics: Numerics) -> Iterator[None]:
         return
 
     def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+        return SDPA_FLASH(q, k, v, dropout_p, is_causal, scale=scale)[0]
 
     def efficient(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        return aten._scaled_dot_product_efficient_attention(q, k, v, None, grad, dropout_p, is_causal,
-                                                            scale=scale)[0]
+        return SDPA_EFFICIENT(q, k, v, None, grad, dropout_p, is_causal, scale=scale)[0]
 
     kernel = {"flash": flash, "efficient": efficient}[numerics.attention]
-    with mock.patch.object(F, "scaled_dot_product_attention", kernel):
+    with functional_replaced("scaled_dot_product_attention", kernel):
         yield
 
 
@@ -102,7 +103,7 @@ class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, normalized_shape, eps):
         with below_autograd():  # the op itself (its fake kernel), not its CPU composite
-            out, rstd = aten._fused_rms_norm(x, normalized_shape, weight, eps)
+            out, rstd = FUSED_RMS_NORM(x, normalized_shape, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.normalized_shape = normalized_shape
         return out
@@ -111,7 +112,7 @@ class _FusedRMSNorm(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
         mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
-        dx, dw = aten._fused_rms_norm_backward(grad, x, ctx.normalized_shape, rstd, weight, mask)
+        dx, dw = FUSED_RMS_NORM_BACKWARD(grad, x, ctx.normalized_shape, rstd, weight, mask)
         return dx, dw, None, None
 
 
@@ -131,7 +132,7 @@ def cuda_norm(numerics: Numerics) -> Iterator[None]:
             return composite(input, normalized_shape, weight, eps)
         return _FusedRMSNorm.apply(input, weight, list(normalized_shape), eps)
 
-    with mock.patch.object(F, "rms_norm", fused):
+    with functional_replaced("rms_norm", fused):
         yield
 
 

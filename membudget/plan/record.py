@@ -12,15 +12,30 @@ from __future__ import annotations
 import weakref
 from contextlib import contextmanager
 from typing import Iterator, Optional
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils.flop_counter import flop_registry
-from torch.utils.weak import WeakIdKeyDictionary
-
-from membudget.internals import TorchDispatchMode, op_packet, op_schema, storage_key, tree_leaves
+from membudget.internals import (
+    SCALED_MM,
+    SDPA_CUDNN,
+    SDPA_CUDNN_BACKWARD,
+    SDPA_EFFICIENT,
+    SDPA_EFFICIENT_BACKWARD,
+    SDPA_FLASH,
+    SDPA_FLASH_BACKWARD,
+    SDPA_FLASH_CPU,
+    SDPA_FLASH_CPU_BACKWARD,
+    WAIT_TENSOR_OP,
+    TorchDispatchMode,
+    WeakIdKeyDictionary,
+    flop_registry,
+    op_packet,
+    op_schema,
+    storage_key,
+    storage_resizes,
+    tree_leaves,
+)
 
 from .trace import ATTENTION, FALLBACK, GEMM, MEMORY, VIEW, Alloc, Collective, Event, Free, FreeCarried, Op, Segment
 
@@ -28,17 +43,15 @@ aten = torch.ops.aten
 # torch's formulas, plus CPU's flash attention (same arguments first), so CPU plans count attention too
 FLOPS = {
     **flop_registry,
-    aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[aten._scaled_dot_product_flash_attention],
-    aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        flop_registry[aten._scaled_dot_product_flash_attention_backward],
+    SDPA_FLASH_CPU: flop_registry[SDPA_FLASH],
+    SDPA_FLASH_CPU_BACKWARD: flop_registry[SDPA_FLASH_BACKWARD],
 }
 # Ops that only make storage: no bytes move
 _NO_DATA = {aten.empty, aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.empty_like}
-_CAUSAL = {aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
-           aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_efficient_attention_backward,
-           aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward}
-_GEMMS = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.bmm: (0, 1), aten.baddbmm: (1, 2), aten._scaled_mm: (0, 1)}
-_ATTENTION = _CAUSAL | {aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward}
+_CAUSAL = {SDPA_FLASH, SDPA_FLASH_BACKWARD, SDPA_EFFICIENT, SDPA_EFFICIENT_BACKWARD, SDPA_FLASH_CPU,
+           SDPA_FLASH_CPU_BACKWARD}
+_GEMMS = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.bmm: (0, 1), aten.baddbmm: (1, 2), SCALED_MM: (0, 1)}
+_ATTENTION = _CAUSAL | {SDPA_CUDNN, SDPA_CUDNN_BACKWARD}
 # Recorders inside `tracking()`: compiled graphs (`fused_graph`) report their calls to them
 _TRACKING: list["Recorder"] = []
 _COLLECTIVES = {  # op name (without namespace) -> kind
@@ -142,15 +155,9 @@ class Recorder(TorchDispatchMode):
     @contextmanager
     def tracking(self) -> Iterator["Recorder"]:
         """On for the ops, and for `UntypedStorage.resize_`, which no dispatch mode sees."""
-        resize = torch.UntypedStorage.resize_
-
-        def tracked_resize(storage, nbytes):
-            resize(storage, nbytes)
-            self._resize(storage, nbytes, communication=True)
-
         _TRACKING.append(self)
         try:
-            with mock.patch.object(torch.UntypedStorage, "resize_", tracked_resize), self:
+            with storage_resizes(lambda storage, nbytes: self._resize(storage, nbytes, communication=True)), self:
                 yield self
         finally:
             _TRACKING.remove(self)
@@ -194,7 +201,7 @@ class Recorder(TorchDispatchMode):
             return NotImplemented  # DTensor runs its local ops through this mode
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is torch.ops._c10d_functional.wait_tensor.default:
+        if func is WAIT_TENSOR_OP:
             # Eagerly the input itself; its fake kernel makes a new tensor. So the output keeps the input's
             # (counted) storage alive, as the alias would: else a waited collective's output goes uncounted.
             kept = args[0].untyped_storage()
