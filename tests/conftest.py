@@ -13,9 +13,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from membudget.launch import register_configs
+
+# One intra-op thread, as the subprocesses get (OMP_NUM_THREADS=1 in subprocess_env): the models here are tiny,
+# and on a machine whose cores are busy (pytest-xdist's other worker, a torchrun job's ranks, another user) a
+# second thread makes every op wait for a descheduled one: 10x slower steps were measured on 2 shared cores.
+THREADS = 1
+torch.set_num_threads(THREADS)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -88,6 +95,14 @@ def small_tmpfs(tmp_path: Path, size: str):
 
 
 @pytest.fixture(autouse=True)
+def _torch_threads():
+    """A test that changes torch's thread count gets it back afterwards: it does not leak into later tests."""
+    yield
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
+
+
+@pytest.fixture(autouse=True)
 def _quiet_wandb(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -97,9 +112,45 @@ def _quiet_wandb(monkeypatch):
     os.environ.pop("WANDB_SERVICE", None)
 
 
+# --- pytest-xdist (`-n auto --dist loadgroup` in pyproject.toml): what may run side by side, in which order ---
+
+SLURM = "slurm"  # the tests that submit jobs to the local SLURM cluster
+# a rough cost of a test, in seconds on 2 CPUs: the order only balances the workers, it checks nothing
+_COST = {"dist": 25.0, "slow": 10.0, "fast": 0.3}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (scripts/test.sh runs two workers), the SLURM tests share one worker: the local cluster
-    is one node, and jobs from two workers would queue behind each other past their timeouts."""
+    """xdist sends each group to one worker, its tests in the collection's order:
+
+    - the SLURM tests: the local cluster is one node of 2 CPUs, whose jobs from two workers would queue behind
+      each other past the tests' deadlines;
+    - the tests of a module that use a fixture it shares between them (module scope): built once, not once
+      per worker.
+
+    Under xdist the groups and the other tests are then ordered by a rough cost, the largest first, so that no
+    long test starts last and leaves one worker waiting for the other. A serial run keeps the collection order."""
+    groups: dict[int, str] = {}
     for item in items:
         if item.get_closest_marker("slurm"):
-            item.add_marker(pytest.mark.xdist_group("slurm"))
+            groups[id(item)] = SLURM
+        elif _module_fixture(item):
+            groups[id(item)] = item.module.__name__
+    for item in items:
+        if id(item) in groups:
+            item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+    if not (hasattr(config, "workerinput") or config.getoption("dist", "no") != "no"):
+        return
+    cost: dict[str, float] = {}
+    for item in items:
+        unit = groups.get(id(item), item.nodeid)
+        kind = next((m for m in ("dist", "slow") if item.get_closest_marker(m)), "fast")
+        cost[unit] = cost.get(unit, 0.0) + _COST[kind]
+    order = {unit: i for i, unit in enumerate(sorted(cost, key=lambda unit: -cost[unit]))}
+    items.sort(key=lambda item: order[groups.get(id(item), item.nodeid)])  # stable: a group keeps its order
+
+
+def _module_fixture(item: pytest.Item) -> bool:
+    """Whether the test uses a fixture of this repository's tests shared by a module (or wider)."""
+    return any(d.scope != "function" and d.baseid.startswith("tests")
+               for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)

@@ -2,6 +2,7 @@
 disk); a killed or failed save never costs the last good checkpoint; a damaged checkpoint is never loaded: it is
 skipped for the newest intact one; a non-finite state is never saved; only the last K are kept."""
 
+import itertools
 import json
 import os
 import random
@@ -118,10 +119,14 @@ def test_unwritable_checkpoint_dir_fails_early_in_one_line(tmp_path):
 
 # --- damaged checkpoints ---------------------------------------------------------------------------------------
 
-def corrupt(path: Path, rng: random.Random) -> str:
-    """One random damage to a checkpoint dir: truncate, delete, garbage or flipped bits, in any of its files."""
-    target = rng.choice(sorted(p for p in path.iterdir() if p.is_file()))
-    kind = rng.choice(["truncate", "delete", "garbage", "bitflip"])
+DAMAGE = ("truncate", "delete", "garbage", "bitflip")
+
+
+def corrupt(path: Path, rng: random.Random, name: str | None = None, kind: str | None = None) -> str:
+    """One damage to a checkpoint dir: truncate, delete, garbage or flipped bits (`kind`, else a random one), in
+    its file `name` (else a random one)."""
+    target = path / name if name else rng.choice(sorted(p for p in path.iterdir() if p.is_file()))
+    kind = kind or rng.choice(DAMAGE)
     data = target.read_bytes()
     if kind == "delete":
         target.unlink()
@@ -156,8 +161,9 @@ def test_every_damage_is_found_by_the_manifest(tmp_path):
 
 @pytest.mark.slow
 def test_random_damage_resumes_from_the_newest_intact_checkpoint(tmp_path):
-    """20+ random corruptions of the newest checkpoint: each resume uses the one before it and reproduces the
-    uninterrupted run's losses; damage to both is one line. Zero tracebacks, zero silent loads."""
+    """Every kind of damage to each file of the newest checkpoint (20, at seeded random places): each resume uses
+    the one before it and reproduces the uninterrupted run's losses; damage to both is one line. Zero tracebacks,
+    zero silent loads."""
     cfg = compose_cfg(*SMALL)
     uninterrupted = Run.build(cfg)
     reference = uninterrupted.train(6)
@@ -168,15 +174,19 @@ def test_random_damage_resumes_from_the_newest_intact_checkpoint(tmp_path):
     run.save(checkpointer, 2)
     run.train(2)
     run.save(checkpointer, 4)
-    rng = random.Random(1)
-    for i in range(20):
+    files = sorted(p.name for p in (source / "checkpoints" / "step_0000004").iterdir())
+    assert files == [".metadata", "__0_0.distcp", MANIFEST, "rng_rank0.pt", "train_state.json"]
+    # seeded per trial: where the damage lands does not depend on the sizes of the files damaged before (DCP's
+    # .metadata holds the checkpoint's path, so its size is tmp_path's)
+    for i, (name, kind) in enumerate(itertools.product(files, DAMAGE)):
         trial = tmp_path / f"trial{i}"
         shutil.copytree(source, trial)
-        corrupt(trial / "checkpoints" / "step_0000004", rng)
+        what = corrupt(trial / "checkpoints" / "step_0000004", random.Random(i), name, kind)
         resumed = Run.build(cfg)
         path, state = resumed.load(Checkpointer(trial, CheckpointConfig(keep=2)))
-        assert path.name == "step_0000002" and state["step"] == 2
-        assert resumed.train(4) == reference[2:]
+        assert path.name == "step_0000002" and state["step"] == 2, what
+        assert resumed.train(4) == reference[2:], what
+    rng = random.Random(1)
     both = tmp_path / "both"
     shutil.copytree(source, both)
     for step in (2, 4):

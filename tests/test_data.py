@@ -360,7 +360,7 @@ def test_synthetic_is_seeded():
 
 # ------------------------------------------------------------------------------------------- prefetching
 
-def wait_until(condition, timeout_s=10.0):
+def wait_until(condition, timeout_s=60.0):  # generous: a busy machine can stall the data thread for seconds
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "the data thread did not get there in time"

@@ -116,9 +116,11 @@ def test_a_killed_rank_ends_the_job_with_an_error_naming_it(tmp_path):
     pid = int(log.read_text().split("pid ")[1].split()[0])
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    job.wait(timeout=120)
+    job.wait(timeout=300)
     output = out.read_text()
     elapsed = time.monotonic() - killed_at
     assert job.returncode != 0
-    assert elapsed < 30 + 30, f"took {elapsed:.0f} s to end after a rank died"
+    # within a few parallelism.timeout_s=30 (the survivor's error; torch's own default waits 600 s, or forever):
+    # a bound no loaded machine reaches, where `< 60 s` could be
+    assert elapsed < 4 * 30, f"took {elapsed:.0f} s to end after a rank died"
     assert "rank      : 1" in output and "Signal 9 (SIGKILL)" in output, output[-3000:]

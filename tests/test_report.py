@@ -468,12 +468,13 @@ def _multirun_here(monkeypatch, sweep: Path, *overrides: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a hang guard only: it compiles three runs on a shared CPU
 def test_sweep_end_to_end(tmp_path, monkeypatch):
-    """A real CPU sweep of the debug model (compiled none, full, budget 1.0): the report keeps the loss,
-    finds compiled none equal to budget 1.0, and catches tampering."""
+    """A real CPU sweep of the debug model, 2 of its blocks (compiled none, full, budget 1.0; each block is compiled
+    on its own): the report keeps the loss, finds compiled none equal to budget 1.0, and catches tampering."""
     sweep = tmp_path / "sweep"
     _multirun_here(monkeypatch, sweep, "ac=none,full,memory_budget", "ac.memory_budget=1.0", "compile.enabled=true",
                    FAST_COMPILE, "train.steps=2", "train.seq_len=16", "train.global_batch_size=1",
-                   "train.progress=off", "checkpoint.enabled=false", "data.prefetch=0", "logger=none")
+                   "train.progress=off", "checkpoint.enabled=false", "data.prefetch=0", "logger=none",
+                   "model.n_layers=2")
     assert report.main([str(sweep), "--strict", "--no-wandb"]) == 0
 
     rows = _read_csv(sweep)

@@ -89,7 +89,7 @@ def test_readme_command_runs_as_typed_with_inductor(tmp_path):
 def test_auto_budget_is_planned_logged_and_used(tmp_path, caplog):
     with caplog.at_level("INFO", logger="membudget"):
         summary = train_here(tmp_path / "run", *TINY, "ac=memory_budget", "ac.memory_budget=auto",
-                             "ac.target_memory_gib=0.05", FAST_COMPILE)
+                             "ac.target_memory_gib=0.05", FAST_COMPILE, "model.n_layers=2")
     chosen = summary["memory_budget"]
     assert chosen is not None and summary["ac_label"].startswith("memory_budget")
     assert any(f"ac.memory_budget=auto -> {chosen}" in r.getMessage() for r in caplog.records)
