@@ -112,12 +112,13 @@ def apply_compile(model: nn.Module, cfg, backend=None) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg, device: torch.device) -> None:
-    """FSDP2 groups, each gathered just before it is used and freed after: every block, and (parallelism.fsdp_outer
-    =split) the embedding and [final norm, output] (one group with the embedding when they share a weight). The
-    last block and the output group stay gathered after forward, as backward needs them at once; the output
-    group's gradient is reduced as soon as its backward ends, not held to the end of the step. With
-    fsdp_outer=root the three stay in the root group instead, which FSDP2 keeps gathered through the step. Over dp_replicate alone (DDP) the
-    groups are replicated by FSDP2's `replicate`, which neither shards nor gathers."""
+    """FSDP2 groups, each gathered just before it is used and freed after: every block and, with
+    parallelism.fsdp_outer=split, the embedding and [final norm, output] (one group with the embedding when they
+    share a weight). The last block and the output group stay gathered after forward, as backward needs them at
+    once; the output group's gradient is reduced as soon as its backward ends, not held to the end of the step.
+    With fsdp_outer=root the three stay in the root group instead, which FSDP2 keeps gathered through the step.
+    Over dp_replicate alone (DDP) the groups are replicated by FSDP2's `replicate`, which neither shards nor
+    gathers."""
     # bf16 compute with fp32 gradient reduction on GPU; CPU stays in fp32 like the single-process run
     mp = MixedPrecisionPolicy()
     if device.type == "cuda" and cfg.train.dtype != TrainDType.float32:

@@ -53,7 +53,6 @@ from .record import Recorder, fused_graph
 from .trace import ACTIVATIONS, COMMUNICATION, GRADIENTS, Alloc, OptimizerRun, Probe, Run
 
 
-
 @contextlib.contextmanager
 def fake_world(p, world_size: int) -> Iterator[tuple[Optional[object], dict[str, tuple[str, int]]]]:
     """A fake process group of `world_size` ranks (no communication, per-rank shapes) and the trainer's mesh on
@@ -238,9 +237,13 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
         handles = _marks(model, recorder)
         runs = []
         with recorder.tracking():
-            # the first micro-batch, a middle one where it syncs differently from the last, and the last
-            lasts = [True] if n_micro == 1 else [False, False, True] if n_micro > 2 and defers_sync(model, mesh) \
-                else [False, True]
+            # the first micro-batch and the last; between them a middle one where it syncs differently
+            if n_micro == 1:
+                lasts = [True]
+            elif n_micro > 2 and defers_sync(model, mesh):
+                lasts = [False, False, True]
+            else:
+                lasts = [False, True]
             for last in lasts:
                 recorder.start()
                 with gradient_sync(model, mesh, last=last):

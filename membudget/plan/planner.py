@@ -66,8 +66,8 @@ class Planner:
 
     def __enter__(self) -> "Planner":
         self._world = fake_world(self.cfg.parallelism, self.world_size)
-        self.mesh, groups = self._world.__enter__()
-        self.probes = Probes(self.mesh, groups, self.numerics, self.shape)
+        mesh, groups = self._world.__enter__()
+        self.probes = Probes(mesh, groups, self.numerics, self.shape)
         return self
 
     def __exit__(self, *exc) -> None:

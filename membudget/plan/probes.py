@@ -51,8 +51,8 @@ class Probes:
         return self._optimizer_runs[key]
 
     def reference(self, none) -> dict[str, float]:
-        """The step's forward and backward FLOPs of `none` (the run without AC and without compile): what
-        recompute is counted against."""
+        """The step's forward and backward FLOPs of `none` (this run without AC and without compile: the same
+        config at every call, so it is measured once): what recompute is counted against."""
         if self._reference is None:
             probe, layout = self.probe(none)
             flops = {"forward": 0, "backward": 0}
