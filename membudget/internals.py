@@ -91,6 +91,18 @@ def functional_replaced(name: str, replacement: Callable) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def foreach_kernels_on_meta() -> Iterator[None]:
+    """torch.nn.utils' gradient clipping takes the _foreach_ kernels for meta tensors inside, as it does for CUDA
+    tensors: the planner records a GPU's optimizer step on the meta device. torch chooses them by a private
+    list of devices (torch.utils._foreach_utils), with no public switch (foreach=True refuses meta)."""
+    from torch.utils import _foreach_utils
+
+    devices = _foreach_utils._get_foreach_kernels_supported_devices
+    with mock.patch.object(_foreach_utils, "_get_foreach_kernels_supported_devices", lambda: [*devices(), "meta"]):
+        yield
+
+
+@contextlib.contextmanager
 def storage_resizes(callback: Callable[[torch.UntypedStorage, int], None]) -> Iterator[None]:
     """`callback(storage, nbytes)` after every UntypedStorage.resize_ inside: FSDP2 frees and re-allocates its
     all-gather buffers by resizing their storages, which no dispatch mode sees."""

@@ -82,7 +82,8 @@ GQA_PATCHED = gqa_flop_formulas()
 from membudget.ac import compiler_scope  # noqa: E402
 from membudget.metrics import ActivationCounter  # noqa: E402
 from membudget.parallel import clip_grad_norm  # noqa: E402
-from membudget.plan import plan_setting  # noqa: E402
+from membudget.plan import Planner, plan_setting  # noqa: E402
+from membudget.plan.sweep import is_auto  # noqa: E402
 from membudget.units import fmt_bytes  # noqa: E402
 from membudget.offload import find_offloader  # noqa: E402
 from membudget.schema import ACMode, CompileBackend, OffloadWith, RunConfig, TrainDevice  # noqa: E402
@@ -241,29 +242,37 @@ def check(settings=SETTINGS, device: str = "cuda", model: str = "llama3_8b", lay
           seq: int = 8192, batch: int = 1, steps: int = 5, expandable: Optional[bool] = None,
           profile_steps: int = 0, after=None, deadline: Optional[float] = None) -> list[Row]:
     """Plan and train each setting; `after(rows)` after each (progressive output); settings left when
-    time.perf_counter() passes `deadline` are skipped."""
+    time.perf_counter() passes `deadline` are skipped. The settings' runs differ in their AC alone: one Planner
+    plans them all and measures what they share once (the optimizer step, the FLOPs recompute is counted
+    against); on one rank it opens no process group, so it may stay open while the steps run."""
     rows = []
-    for setting in settings:
-        if deadline is not None and time.perf_counter() > deadline:
-            rows.append(Row(setting, None, None, "skipped: out of --budget-s"))
-            continue
-        begun = time.perf_counter()
-        plan = None
-        try:
-            cfg = build_config(setting, device, model, layers, seq, batch, expandable)
-            plan = plan_setting(cfg)
-            if plan.verdict == "does not fit":
-                rows.append(Row(setting, plan, None, f"planned not to fit: {plan.verdict_reason}"))
-            else:
-                rows.append(Row(setting, plan, measure(cfg, torch.device(device), steps, profile_steps)))
-        except Exception as e:  # one failing setting (a kernel this torch lacks) must not hide the others
-            rows.append(Row(setting, plan, None, one_line(e)))
-        rows[-1].seconds = time.perf_counter() - begun
-        log(f"  setting {setting}: {rows[-1].seconds:.0f} s{(' ' + rows[-1].skipped) if rows[-1].skipped else ''}")
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        if after is not None:
-            after(rows)
+    with contextlib.ExitStack() as stack:
+        planner = None
+        for setting in settings:
+            if deadline is not None and time.perf_counter() > deadline:
+                rows.append(Row(setting, None, None, "skipped: out of --budget-s"))
+                continue
+            begun = time.perf_counter()
+            plan = None
+            try:
+                cfg = build_config(setting, device, model, layers, seq, batch, expandable)
+                if is_auto(cfg):  # blocks=auto: the planner's own choice
+                    plan = plan_setting(cfg)
+                else:
+                    planner = planner or stack.enter_context(Planner(cfg))
+                    plan = planner.plan(planner.point(**dataclasses.asdict(cfg.ac)))  # cfg, as plan_setting plans it
+                if plan.verdict == "does not fit":
+                    rows.append(Row(setting, plan, None, f"planned not to fit: {plan.verdict_reason}"))
+                else:
+                    rows.append(Row(setting, plan, measure(cfg, torch.device(device), steps, profile_steps)))
+            except Exception as e:  # one failing setting (a kernel this torch lacks) must not hide the others
+                rows.append(Row(setting, plan, None, one_line(e)))
+            rows[-1].seconds = time.perf_counter() - begun
+            log(f"  setting {setting}: {rows[-1].seconds:.0f} s{(' ' + rows[-1].skipped) if rows[-1].skipped else ''}")
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            if after is not None:
+                after(rows)
     return rows
 
 

@@ -25,19 +25,26 @@ def torchrun(sweep_dir, nproc, *overrides, timeout=420):
 
 
 class _Reference(dict):
-    """One process, the same global batch: the reference run of an (AC point, tied) pair, trained when first
-    asked for."""
+    """One process, the same global batch: the reference run of an (AC point, tied, global batch) triple, trained
+    when first asked for."""
 
     def __init__(self, base):
         super().__init__()
         self.base = base
 
     def __missing__(self, key):
-        point, tie = key
-        run_dir = self.base / f"{point}-{tie}"
-        train_here(run_dir, *SMALL, f"+ac_point={point}", f"model.tie_embeddings={tie}", "train.micro_batch_size=1")
+        point, tie, batch = key
+        run_dir = self.base / f"{point}-{tie}-{batch}"
+        train_here(run_dir, *sized(batch), f"+ac_point={point}", f"model.tie_embeddings={tie}",
+                   "train.micro_batch_size=1")
         self[key] = run_dir
         return run_dir
+
+
+def sized(global_batch: int) -> list[str]:
+    """SMALL with another global batch (sequences per step)."""
+    return [f"train.global_batch_size={global_batch}" if o.startswith("train.global_batch_size=") else o
+            for o in SMALL]
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +56,13 @@ def _point(summary: dict) -> str:
     return {"none": "none", "full": "full", "selective": "selective"}.get(summary["ac_mode"], "budget_0.5")
 
 
-def _check_sweep(sweep, single, nproc: int, jobs: int, tie: str):
+def _check_sweep(sweep, single, nproc: int, jobs: int, tie: str, batch: int = 4):
     dirs = sorted(d for d in sweep.iterdir() if d.is_dir() and d.name.isdigit())
     assert len(dirs) == jobs
     for job in dirs:
         summary = read_summary(job)
         assert summary["status"] == "completed" and summary["world_size"] == nproc
-        reference = read_metrics(single[_point(summary), tie])
+        reference = read_metrics(single[_point(summary), tie, batch])
         rows = read_metrics(job)
         assert [r["step"] for r in rows] == [1, 2, 3]
         for row, ref in zip(rows, reference):
@@ -74,7 +81,7 @@ def test_two_ranks_ddp_fsdp_tp_match_one_process(tmp_path, single):
     dirs = _check_sweep(sweep, single, 2, 12, "false")
     # rank 0 alone speaks on the console: each step line once per job, not once per rank
     assert (proc.stdout + proc.stderr).count("step 3 | loss") == len(dirs)
-    whole = {p: read_summary(single[p, "false"]) for p in POINTS.split(",")}
+    whole = {p: read_summary(single[p, "false", 4]) for p in POINTS.split(",")}
     for job in dirs:
         summary = read_summary(job)
         name, point = summary["config"]["parallelism"]["name"], _point(summary)
@@ -89,11 +96,12 @@ def test_two_ranks_ddp_fsdp_tp_match_one_process(tmp_path, single):
 
 def test_four_ranks_hsdp_and_fsdp_tp_with_tied_embeddings_match_one_process(tmp_path, single):
     sweep = tmp_path / "sweep"
-    # gradient accumulation too: HSDP all-reduces across replicas only on the last micro-batch
+    # gradient accumulation too, two micro-batches per rank under HSDP (four data-parallel ranks), four under
+    # fsdp_tp (two): HSDP all-reduces across replicas only on the last one
     proc = torchrun(sweep, 4, "parallelism=hsdp,fsdp_tp", "parallelism.dp_shard=2", "+ac_point=budget_0.5",
-                    "model.tie_embeddings=true", "train.micro_batch_size=1", *SMALL)
+                    "model.tie_embeddings=true", "train.micro_batch_size=1", *sized(8))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    _check_sweep(sweep, single, 4, 2, "true")
+    _check_sweep(sweep, single, 4, 2, "true", batch=8)
 
 
 def test_a_killed_rank_ends_the_job_with_an_error_naming_it(tmp_path):

@@ -218,10 +218,11 @@ def test_host_link_model_overlaps_copies_with_compute():
 def test_auto_chooses_policies_per_block_that_fit_and_train_as_planned(tmp_path):
     """Between the peaks of the single settings, a mix of policies planned as a whole that fits and beats every
     single setting that fits (on a CPU: less recompute); ac.blocks=auto there trains with the planned bytes."""
-    large = ["logger=none", "train.device=cpu", FAST_COMPILE, "train.seq_len=256", "train.global_batch_size=8"]
+    large = ["logger=none", "train.device=cpu", FAST_COMPILE, "train.seq_len=256", "train.global_batch_size=8",
+             "model.n_layers=2"]
     cfg = compose_cfg(*large, "ac=per_block", "ac.blocks=auto")
-    plans = plan_sweep(cfg)
-    with Planner(cfg) as planner:
+    with Planner(cfg) as planner:  # one for the sweep and the mixes, as the trainer's choice plans them
+        plans = plan_sweep(cfg, planner=planner)
         choices = per_target(planner, plans, targets_between(plans, max(p.judged_bytes for p in plans)))
     mixed = [c for c in choices if c.per_block is not None]
     assert mixed, [(c.target, c.single and c.single.label) for c in choices]

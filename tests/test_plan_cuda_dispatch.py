@@ -1,7 +1,8 @@
-"""The probe records what CUDA runs where its dispatch differs from the CPU's: RMSNorm. torch.rms_norm calls
+"""The probe records what CUDA runs where its dispatch differs from the CPU's. RMSNorm: torch.rms_norm calls
 aten::_fused_rms_norm (layer_norm.cpp, rms_norm_symint), which has a CUDA kernel and, in derivatives.yaml, a
 formula that saves the input, the weight and the inverse RMS (result1); on the CPU the op has no kernel and its
-composite runs op by op under autograd, saving the fp32 normalised input too."""
+composite runs op by op under autograd, saving the fp32 normalised input too. Gradient clipping and AdamW:
+torch takes the _foreach_ kernels for CUDA tensors (torch.utils._foreach_utils), one op per tensor on a CPU."""
 
 import contextlib
 
@@ -76,3 +77,17 @@ def test_an_eager_gpu_plan_keeps_one_fp32_activation_less_per_norm_and_a_compile
     compiled = compose_cfg(*overrides, "ac=memory_budget", "ac.memory_budget=0.5",
                            "compile.backend=aot_eager_decomp_partition")
     assert _activations(compiled, 1, composite) - _activations(compiled, 1, measure.cuda_norm) == 4 * 2 * 64 * dim
+
+
+@pytest.mark.parametrize("target", ["cuda", "cpu"])
+def test_the_optimizer_step_clips_and_updates_with_the_kernels_of_its_device(target):
+    cfg = compose_cfg("logger=none")
+    shards = [(torch.Size([64, 32]), torch.float32)] * 5 + [(torch.Size([32]), torch.float32)] * 3
+    run = measure.run_optimizer(cfg, shards, Numerics(target, False, False, "flash"))
+    names = [op.name for op in run.steady.ops]
+    per_tensor = [n for n in names if n == "aten.linalg_vector_norm"]
+    if target == "cuda":  # one norm per list, one for the stack of norms; the clip and AdamW per list
+        assert names.count("aten._foreach_norm") == 1 and len(per_tensor) == 1, names
+        assert "aten._foreach_mul_" in names and "aten._foreach_lerp_" in names
+    else:
+        assert "aten._foreach_norm" not in names and len(per_tensor) == len(shards) + 1, names

@@ -7,7 +7,7 @@ it does not model (Float8, pipeline and context parallelism) are planned by `pyt
 
 import pytest
 
-from membudget.plan.evidence import error, plan_row, ranked_pairs, rows, speed_summary, timed
+from membudget.plan.evidence import error, plan_rows, ranked_pairs, rows, speed_summary, timed
 from membudget.plan.result import DOES_NOT_FIT, FITS, UNCERTAINTY
 from tests.conftest import compose_cfg
 
@@ -19,9 +19,16 @@ def checked(row) -> bool:
 
 
 @pytest.fixture(scope="module")
-def planned():
+def optimizer_runs():
+    """The optimizer steps recorded for this module's plans, shared by those of one model and mesh (Planner)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def planned(optimizer_runs):
     # at the suite's one torch thread (tests/conftest.py): pytest-xdist's other worker has the other core
-    return {row.id: plan_row(row, lambda overrides: compose_cfg(*overrides)) for row in rows() if checked(row)}
+    return plan_rows([row for row in rows() if checked(row)], lambda overrides: compose_cfg(*overrides),
+                     optimizer_runs)
 
 
 @pytest.mark.slow
@@ -73,7 +80,7 @@ def test_the_plan_ranks_settings_of_one_run_as_they_were_measured(planned):
 
 
 @pytest.mark.slow
-def test_compiled_budgets_land_between_compiled_none_and_compiled_full_and_eager_ranks_as_ac():
+def test_compiled_budgets_land_between_compiled_none_and_compiled_full_and_eager_ranks_as_ac(optimizer_runs):
     """On the 8-H100 row's run: every budget's step between the compiled no-AC and full-AC steps; eagerly, none
     above selective op above full; compiled above eager at each AC mode."""
     from membudget.plan import Planner
@@ -82,11 +89,12 @@ def test_compiled_budgets_land_between_compiled_none_and_compiled_full_and_eager
     base = [o for o in row.overrides() if not o.startswith(("ac=", "ac.", "compile."))]
 
     # one Planner per compile setting, as `plan_setting(compose_cfg(*base, "ac=<mode>", ...))` would plan each
-    # setting, but sharing the Planner's runs that do not depend on the AC setting (the optimizer step, the
-    # reference without AC): the same step_seconds, bit for bit, in half the time
-    with Planner(compose_cfg(*base, "compile.enabled=false")) as planner:
+    # setting, but sharing the Planner's runs that do not depend on the AC setting (the optimizer step, also
+    # with the rows' plans of this model and mesh; the reference without AC): the same step_seconds, bit for
+    # bit, in half the time
+    with Planner(compose_cfg(*base, "compile.enabled=false"), optimizer_runs=optimizer_runs) as planner:
         eager = {mode: planner.plan(planner.point(mode)).step_seconds for mode in ("none", "selective", "full")}
-    with Planner(compose_cfg(*base, "compile.enabled=true")) as planner:
+    with Planner(compose_cfg(*base, "compile.enabled=true"), optimizer_runs=optimizer_runs) as planner:
         compiled = {mode: planner.plan(planner.point(mode)).step_seconds for mode in ("none", "full")}
         budgets = {b: planner.plan(planner.point("memory_budget", b)).step_seconds for b in (0.0, 0.5, 1.0)}
     assert eager["none"] < eager["selective"] < eager["full"]

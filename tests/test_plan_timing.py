@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from membudget.devices import GPUS
-from membudget.plan.record import Recorder
+from membudget.plan.record import Recorder, fused_graph
 from membudget.plan.timing import (
     COMPUTE,
     HOST,
@@ -138,6 +138,19 @@ def test_mutating_ops_that_return_nothing_are_charged_what_they_write():
     outs = [torch.empty(1000), torch.empty(3000)]
     copy = _recorded(lambda: torch.split_with_sizes_copy(flat, [1000, 3000], out=outs))
     assert [op.nbytes for op in copy if "split_with_sizes_copy" in op.name] == [2 * 4 * 4000]
+
+
+def test_storages_of_no_bytes_in_a_fused_graph_each_keep_a_key_of_their_own():
+    """A storage of no bytes (SDPA's empty outputs) has no allocation to key it by, and a dead one's address comes
+    back for the next: each has a key of its own, or which ops share a tensor (what is fused) would follow the
+    heap's layout, and one plan differ from run to run (tt2506-8b-tp's fused kernels did)."""
+    def graph(args):
+        for _ in range(50):
+            torch.empty(0).neg()  # each empty storage dies before the next is made
+
+    ops = _recorded(lambda: fused_graph(graph)([]))
+    reads = [op.reads[0][0] for op in ops if op.name == "aten.neg"]
+    assert len(reads) == 50 == len(set(reads))
 
 
 def test_collectives_cost_a_latency_and_their_bytes_at_the_achieved_bus_bandwidth():

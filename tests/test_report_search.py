@@ -1,5 +1,6 @@
-"""The report of an AC search (experiment=budget_search): a real, tiny search through train.py, read back by
-`python -m membudget.report` as a grid is, plus its trials, the study's front and the planner's prediction."""
+"""The report of an AC search (experiment=budget_search): a real, tiny search through train.py (run in this
+process), read back by `python -m membudget.report` as a grid is, plus its trials, the study's front and the
+planner's prediction."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from membudget import report, search
-from tests.conftest import read_summary, run_train
+from tests.conftest import read_summary
+from tests.test_report import multirun_here
 from tests.test_search import EAGER
 
 pytest.importorskip("optuna", reason="the search extra: pip install -e '.[search]'")
@@ -20,10 +22,9 @@ def searched(tmp_path_factory) -> Path:
     """A finished search: none, full and both selective options complete; with compile off every memory_budget
     trial fails its config check (a real failed job), and the sampler's next proposal repeats a budget."""
     sweep = tmp_path_factory.mktemp("report_search") / "search"
-    done = run_train(sweep, "experiment=budget_search", *EAGER, "compile.enabled=false",
-                     "ac=choice(none,full,selective,memory_budget)", "hydra.sweeper.n_trials=8",
-                     "hydra.sweeper.max_failure_rate=1.0", multirun=True)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    multirun_here(sweep, "experiment=budget_search", *EAGER, "compile.enabled=false",  # a failed search raises
+                  "ac=choice(none,full,selective,memory_budget)", "hydra.sweeper.n_trials=8",
+                  "hydra.sweeper.max_failure_rate=1.0")
     assert report.main([str(sweep), "--no-wandb"]) == 0
     return sweep
 

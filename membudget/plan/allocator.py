@@ -73,12 +73,9 @@ class _Block:
     next: Optional["_Block"] = None
     mapped: bool = True  # False: pages of an expandable segment unmapped under pressure (free, in no free list)
 
-    @property
-    def address(self) -> int:
-        return self.segment.base + self.offset
-
-    def sort_key(self) -> tuple[int, int]:
-        return self.size, self.address
+    def entry(self) -> tuple[int, int, "_Block"]:
+        """Its place in its pool's free list: by size, then address (unique, so blocks are never compared)."""
+        return self.size, self.segment.base + self.offset, self
 
 
 @dataclass(eq=False)
@@ -113,8 +110,7 @@ class CachingAllocator:
         self.reserved = self.allocated = 0
         self.peak_reserved = self.peak_allocated = 0
         self.ooms = self.retries = 0
-        self._free: dict[tuple[int, bool], list[tuple[int, int, int]]] = {}  # pool -> sorted (size, address, id)
-        self._by_id: dict[int, _Block] = {}
+        self._free: dict[tuple[int, bool], list[tuple[int, int, _Block]]] = {}  # pool -> sorted _Block.entry()
         self._live: dict[object, _Block] = {}
         self._segments: list[_Segment] = []
         self._grown: dict[tuple[int, bool], _Segment] = {}
@@ -123,23 +119,21 @@ class CachingAllocator:
 
     # --- the free lists ------------------------------------------------------------------------------------
     def _insert(self, block: _Block) -> None:
-        self._by_id[id(block)] = block
-        bisect.insort(self._free.setdefault(block.segment.pool, []), (*block.sort_key(), id(block)))
+        bisect.insort(self._free.setdefault(block.segment.pool, []), block.entry())
 
     def _remove(self, block: _Block) -> None:
         entries = self._free[block.segment.pool]
-        entries.pop(bisect.bisect_left(entries, (*block.sort_key(), id(block))))
-        del self._by_id[id(block)]
+        entries.pop(bisect.bisect_left(entries, block.entry()))
 
     def _best_fit(self, pool: tuple[int, bool], size: int) -> Optional[_Block]:
         entries = self._free.get(pool, [])
-        i = bisect.bisect_left(entries, (size, -1, -1))
+        i = bisect.bisect_left(entries, (size, -1))
         if i == len(entries):
             return None
         if self.expandable:  # get_free_block: the next larger block while it can grow to less
-            while i + 1 < len(entries) and _reach(self._by_id[entries[i + 1][2]]) < _reach(self._by_id[entries[i][2]]):
+            while i + 1 < len(entries) and _reach(entries[i + 1][2]) < _reach(entries[i][2]):
                 i += 1
-        return self._by_id[entries[i][2]]
+        return entries[i][2]
 
     # --- segments ------------------------------------------------------------------------------------------
     def _reserve(self, nbytes: int) -> bool:
@@ -155,8 +149,7 @@ class CachingAllocator:
         if self.expandable:  # unmap the whole pages inside every free block (release_cached_blocks)
             for pool, entries in self._free.items():
                 page = _page(pool)
-                for *_, i in list(entries):
-                    block = self._by_id[i]
+                for *_, block in list(entries):
                     start, end = math.ceil(block.offset / page) * page, (block.offset + block.size) // page * page
                     if end > start:
                         self._unmap(block, start, end)

@@ -26,16 +26,16 @@ def run(cfg, out_dir: Path) -> dict:
     sweep, auto = budget_of(cfg.ac) == "sweep", is_auto(cfg)
     chosen = error = None
     if sweep or auto:
-        plans = plan_sweep(cfg, offload=True)
-        if auto:
-            try:
-                chosen = choose_or_explain(plans, cfg, None)[1]
-            except UserError as e:  # raised once the sweep that shows it is written
-                error = e
-        choices = []
-        if sweep:  # where a per-block plan beats the best single setting, over a range of targets
-            limit = plans[0].limit or max(p.judged_bytes for p in plans)
-            with Planner(cfg) as planner:
+        with Planner(cfg) as planner:  # one for the sweep and the mixes: what they share is measured once
+            plans = plan_sweep(cfg, offload=True, planner=planner)
+            if auto:
+                try:
+                    chosen = choose_or_explain(plans, cfg, None, planner=planner)[1]
+                except UserError as e:  # raised once the sweep that shows it is written
+                    error = e
+            choices = []
+            if sweep:  # where a per-block plan beats the best single setting, over a range of targets
+                limit = plans[0].limit or max(p.judged_bytes for p in plans)
                 choices = per_target(planner, plans, targets_between(plans, limit))
         text = (sweep_markdown(plans, chosen) + ("\n" + blocks_markdown(choices, plans) if choices else "")
                 + ("" if chosen is None else "\n" + plan_markdown(chosen)))

@@ -70,11 +70,18 @@ def rows() -> list[Row]:
         return [Row(r) for r in csv.DictReader(f)]
 
 
-def plan_row(row: Row, compose) -> Plan:
-    """The plan for one row; `compose` turns overrides into the run's config (Hydra's compose)."""
+def plan_row(row: Row, compose, optimizer_runs: Optional[dict] = None) -> Plan:
+    """The plan for one row; `compose` turns overrides into the run's config (Hydra's compose);
+    `optimizer_runs`: a store of optimizer steps shared with other plans (Planner)."""
     cfg = compose(row.overrides())
-    with Planner(cfg) as planner:
+    with Planner(cfg, optimizer_runs=optimizer_runs) as planner:
         return planner.plan(planner.point(cfg.ac.mode), recompute=False)
+
+
+def plan_rows(chosen: list[Row], compose, optimizer_runs: Optional[dict] = None) -> dict[str, Plan]:
+    """The plans of `chosen` by row id, recording the optimizer step once for the rows of one model and mesh."""
+    optimizer_runs = {} if optimizer_runs is None else optimizer_runs
+    return {row.id: plan_row(row, compose, optimizer_runs) for row in chosen}
 
 
 def error(predicted: float, measured: float) -> float:
@@ -97,10 +104,10 @@ def fit_compute_scale(row: Row, compose) -> float:
     compute-bound step takes a + b / compute_scale seconds, so plans at 1.0 and 0.5 give a and b.
     tests/test_plan_evidence.py checks that the table's fitted values reproduce their rows."""
     key = row.fields["gpu"]
-    plans = {}
+    plans, optimizer_runs = {}, {}
     for scale in (1.0, 0.5):
         with device_entry(key, compute_scale=scale):
-            plans[scale] = plan_row(row, compose)
+            plans[scale] = plan_row(row, compose, optimizer_runs)
     b = plans[0.5].step_seconds - plans[1.0].step_seconds  # (a + 2b) - (a + b)
     a = plans[1.0].step_seconds - b
     target = plans[1.0].tokens_per_step / (row.measured_speed * int(row.fields["gpus"]))
@@ -169,8 +176,9 @@ def memory_lines(ids: list[str], compose) -> list[str]:
         raise SystemExit(f"no such row in {TABLE.name}: {', '.join(sorted(unknown))}")
     lines = ["| row | as run | measured GiB | planned, as run | error | other allocator | error | verdict |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
+    plans = plan_rows(chosen, compose)
     for row in chosen:
-        plan = plan_row(row, compose)
+        plan = plans[row.id]
         measured = row.measured
 
         def cell(nbytes):

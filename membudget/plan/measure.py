@@ -37,6 +37,7 @@ from membudget.internals import (
     below_autograd,
     cached_dtensor_sharding_propagation,
     decomposing_partitioning_backend,
+    foreach_kernels_on_meta,
     functional_replaced,
     register_fake_process_group,
     storage_key,
@@ -292,7 +293,8 @@ def run_optimizer(cfg, shards: list[tuple[torch.Size, torch.dtype]], numerics: N
     """Gradient clipping and the trainer's AdamW on this rank's shards of the whole model: what each rank's
     optimizer allocates (on DTensors it runs the same local ops). For a GPU on the meta device (storages with
     sizes, no memory; faster than fake tensors for AdamW's long tensor lists; its step counters are host tensors,
-    as on CUDA, so not counted); for a CPU on fake CPU tensors, which count them."""
+    as on CUDA, so not counted) with CUDA's _foreach_ kernels, in clipping too; for a CPU on fake CPU tensors,
+    which count them, one op per tensor as the CPU runs them."""
     gpu = numerics.target == "cuda"
     with contextlib.nullcontext() if gpu else FakeTensorMode(allow_non_fake_inputs=True):
         holder = nn.Module()
@@ -309,7 +311,8 @@ def run_optimizer(cfg, shards: list[tuple[torch.Size, torch.dtype]], numerics: N
             for name in ("first optimizer step", "optimizer step"):
                 recorder.start()
                 recorder.segments[0].name = name
-                clip_grad_norm(holder, cfg.train.max_grad_norm)
+                with foreach_kernels_on_meta() if gpu else contextlib.nullcontext():  # CUDA's, not the CPU's
+                    clip_grad_norm(holder, cfg.train.max_grad_norm)
                 optimizer.step()
                 segments.append(recorder.segments[0])
                 recorder.stop()

@@ -51,10 +51,14 @@ def resolve_world_size(cfg, world_size: Optional[int]) -> int:
 class Planner:
     """Plans the AC settings of one run (model, parallelism, shapes); a fake process group while open."""
 
-    def __init__(self, cfg, world_size: Optional[int] = None, device: Optional[str] = None):
+    def __init__(self, cfg, world_size: Optional[int] = None, device: Optional[str] = None,
+                 optimizer_runs: Optional[dict] = None):
         """`device`: "cuda" or "cpu", the device the run trains on; None: train.device, where auto plans for a GPU
-        (a plan is often made where the run's GPUs are not)."""
+        (a plan is often made where the run's GPUs are not). `optimizer_runs`: a store of recorded optimizer steps
+        that the caller shares between Planners (rows of one model and mesh record it once; Probes.optimizer);
+        None: this Planner's own."""
         self.cfg = cfg
+        self._optimizer_runs = optimizer_runs
         self.world_size = resolve_world_size(cfg, world_size)
         self.degrees = mesh_degrees(cfg.parallelism, self.world_size)
         self.shape = StepShape.from_config(cfg, self.world_size)
@@ -67,7 +71,7 @@ class Planner:
     def __enter__(self) -> "Planner":
         self._world = fake_world(self.cfg.parallelism, self.world_size)
         mesh, groups = self._world.__enter__()
-        self.probes = Probes(mesh, groups, self.numerics, self.shape)
+        self.probes = Probes(mesh, groups, self.numerics, self.shape, self._optimizer_runs)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -94,11 +98,12 @@ class Planner:
         cfg.ac.runtime_estimator = RuntimeEstimator.flops  # "profile" times kernels, which fake tensors cannot run
         return cfg
 
-    def reference(self) -> dict[str, float]:
-        """The step's FLOPs without AC and without compile: what recompute is counted against."""
+    def reference(self, probed: Optional[tuple] = None) -> dict[str, float]:
+        """The step's FLOPs without AC and without compile: what recompute is counted against. `probed`: (a
+        point, its probe, its layout): the reference's own when that point is its config (an eager ac=none)."""
         none = self.point("none")
         none.compile.enabled = False
-        return self.probes.reference(none)
+        return self.probes.reference(none, probed)
 
     # --- one plan ------------------------------------------------------------------------------------------
     def plan(self, cfg, label: Optional[str] = None, recompute: bool = True) -> Plan:
@@ -125,7 +130,7 @@ class Planner:
         step2 = [p for p in phases if p.step == 2]
         offloaded = {j: probe.first.host_per_block.get(layout.rep(j), 0) for j in range(n)}
         timing = step_time(step2, self.device, self.degrees, offloaded)
-        reference = self.reference() if recompute else None
+        reference = self.reference((cfg, probe, layout)) if recompute else None
         backward = sum(op.flops for p in step2 if p.kind == "backward" for op in p.ops)
         activations = probe.first.activations
         if layout.depth < n:  # each storage is counted in the block whose forward kept it

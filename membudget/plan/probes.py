@@ -20,9 +20,12 @@ log = logging.getLogger("membudget")
 class Probes:
     """The measurements of one run (its mesh, numerics and step shape) under any AC setting."""
 
-    def __init__(self, mesh, groups: dict, numerics: Numerics, shape: StepShape):
+    def __init__(self, mesh, groups: dict, numerics: Numerics, shape: StepShape,
+                 optimizer_runs: Optional[dict] = None):
+        """`optimizer_runs`: where recorded optimizer steps are kept (see `optimizer`), one store that a caller
+        may share between runs; None: this run's own."""
         self.mesh, self.groups, self.numerics, self.shape = mesh, groups, numerics, shape
-        self._optimizer_runs: dict = {}  # this rank's shards and the optimizer settings -> OptimizerRun
+        self._optimizer_runs = {} if optimizer_runs is None else optimizer_runs
         self._reference: Optional[dict[str, float]] = None
 
     def probe(self, cfg) -> tuple[Probe, Layout]:
@@ -42,7 +45,8 @@ class Probes:
                          self.shape.n_micro)
 
     def optimizer(self, cfg, probe: Probe) -> OptimizerRun:
-        """Gradient clipping and AdamW on this rank's shards of the whole model (the same for every AC setting)."""
+        """Gradient clipping and AdamW on this rank's shards of the whole model (the same for every AC setting): a
+        function of the key alone (plain tensors, no process group), so runs with the same key share one recording."""
         n = cfg.model.n_layers
         shards = probe.shards["outside"][:1] + probe.shards["block"] * n + probe.shards["outside"][1:]
         key = (tuple(shards), self.numerics.target, repr(cfg.optimizer), cfg.train.max_grad_norm)
@@ -50,11 +54,12 @@ class Probes:
             self._optimizer_runs[key] = run_optimizer(cfg, shards, self.numerics)
         return self._optimizer_runs[key]
 
-    def reference(self, none) -> dict[str, float]:
+    def reference(self, none, probed: Optional[tuple] = None) -> dict[str, float]:
         """The step's forward and backward FLOPs of `none` (this run without AC and without compile: the same
-        config at every call, so it is measured once): what recompute is counted against."""
+        config at every call, so it is measured once): what recompute is counted against. `probed`: (a config,
+        its probe and layout), which are `none`'s when the config equals it (an eager run's ac=none)."""
         if self._reference is None:
-            probe, layout = self.probe(none)
+            probe, layout = probed[1:] if probed is not None and probed[0] == none else self.probe(none)
             flops = {"forward": 0, "backward": 0}
             for kind, j in layout.order():
                 segment = probe.first.segments.get(layout.segment_name(kind, j))

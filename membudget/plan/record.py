@@ -90,6 +90,9 @@ class Recorder(TorchDispatchMode):
         self._group_names = group_names or {}  # process group name -> (mesh dimension, ranks)
         self._keys = WeakIdKeyDictionary()  # storage -> [key of its current allocation, bytes], kept by its finalizer
         self._next_key = 0
+        # storages without an allocation of this recording (older, or of no bytes) -> a negative key of their own
+        self._unrecorded = WeakIdKeyDictionary()
+        self._next_unrecorded = -1
         self._streams = {id(torch.cpu.current_stream()): 0}  # the default stream is 0
         self.communication: set[int] = set()  # keys allocated by collectives, FSDP2's copies and its resizes
         self.region: Optional[int] = None  # the fused graph call running now
@@ -164,10 +167,17 @@ class Recorder(TorchDispatchMode):
 
     # --- compiled graphs -----------------------------------------------------------------------------------
     def _ident(self, t: torch.Tensor) -> int:
-        """An allocation's key while it lives (storages from before recording: their address, negated)."""
+        """An allocation's key while it lives; a storage without one (from before recording, or of no bytes, as
+        SDPA's empty outputs) gets a negative key for its lifetime: not its address, which a later storage of
+        the same compiled region can reuse, so that which ops share a tensor would depend on the heap's layout."""
         storage = t.untyped_storage()
         entry = self._keys.get(storage)
-        return entry[0] if entry is not None and entry[1] else -storage_key(storage)
+        if entry is not None and entry[1]:
+            return entry[0]
+        if storage not in self._unrecorded:
+            self._unrecorded[storage] = self._next_unrecorded
+            self._next_unrecorded -= 1
+        return self._unrecorded[storage]
 
     def _enter_graph(self) -> None:
         self._regions += 1

@@ -3,7 +3,8 @@ ac.memory_budget=auto and ac.blocks=auto (one setting, or a policy per block), e
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 from membudget.errors import UserError
 from membudget.schema import ac_label
@@ -37,11 +38,22 @@ def plan_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = 
         return planner.plan(planner.point(cfg.ac.mode, budget))
 
 
+@contextlib.contextmanager
+def _planning(cfg, world_size: Optional[int], device: Optional[str], planner: Optional[Planner]) -> Iterator[Planner]:
+    """`planner` when one is given (open, and left open), else a Planner of `cfg` open for the block."""
+    if planner is not None:
+        yield planner
+        return
+    with Planner(cfg, world_size, device) as opened:
+        yield opened
+
+
 def plan_sweep(cfg, world_size: Optional[int] = None, references: bool = True,
-               device: Optional[str] = None, offload: bool = False) -> list[Plan]:
+               device: Optional[str] = None, offload: bool = False, planner: Optional[Planner] = None) -> list[Plan]:
     """none, full, selective (as configured) and memory budgets 0.0, 0.1, ..., 1.0; `offload`: also every block
-    offloading (with none, selective op and full AC), where that saves device memory (a GPU)."""
-    with Planner(cfg, world_size, device) as planner:
+    offloading (with none, selective op and full AC), where that saves device memory (a GPU). `planner`: an open
+    Planner of `cfg` to plan with (what a Planner measures once, all its plans share); None: one of its own."""
+    with _planning(cfg, world_size, device, planner) as planner:
         points = [(m, None, {}) for m in ("none", "full", "selective")] if references else []
         points += [("memory_budget", b, {}) for b in SWEEP_BUDGETS]
         if offload and planner.device.is_gpu:
@@ -56,33 +68,35 @@ def choose(plans: list[Plan]) -> Optional[Plan]:
     return best_single(single_budgets(plans), limit) if limit else None
 
 
-def choose_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> tuple[object, Plan]:
+def choose_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None,
+                   planner: Optional[Planner] = None) -> tuple[object, Plan]:
     """For auto: the fastest setting whose reserved peak fits ac.target_memory_gib (default: the device's memory
     less plan.margin_gib); `device`: the one the run trains on (see Planner). ac.memory_budget=auto chooses among
-    budgets, one or one per block; ac.blocks=auto a policy per block. UserError when none fits."""
+    budgets, one or one per block; ac.blocks=auto a policy per block. UserError when none fits. The sweep and
+    the mixes are planned by one Planner (`planner`, as plan_sweep's)."""
     policies = str(cfg.ac.mode) == "per_block"
-    plans = plan_sweep(cfg, world_size, references=policies, device=device, offload=policies)
-    return choose_or_explain(plans, cfg, world_size, device)
+    with _planning(cfg, world_size, device, planner) as planner:
+        plans = plan_sweep(cfg, references=policies, offload=policies, planner=planner)
+        return choose_or_explain(plans, cfg, world_size, planner=planner)
 
 
-def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int],
-                      device: Optional[str] = None) -> tuple[object, Plan]:
+def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int], device: Optional[str] = None,
+                      planner: Optional[Planner] = None) -> tuple[object, Plan]:
     """(the choice: a budget, per-block budgets as "0.3*8+0.6*24", or under ac=per_block the blocks' policies as
-    "full*4+none*28"; its plan) from a sweep's plans."""
+    "full*4+none*28"; its plan) from a sweep's plans; the mixes planned by `planner` (as plan_sweep's)."""
     key = "ac.blocks" if str(cfg.ac.mode) == "per_block" else "ac.memory_budget"
     if plans[0].verdict == NO_LIMIT:
         raise UserError(f"{key}=auto: no memory limit known for this device: set ac.target_memory_gib=N (GiB)")
     candidates = plans if key == "ac.blocks" else single_budgets(plans)
     best = best_single(candidates, plans[0].limit)
-    with Planner(cfg, world_size, device) as planner:
+    with _planning(cfg, world_size, device, planner) as planner:
         mixed = choose_mix(planner, candidates, plans[0].limit, best)
-    chosen = mixed or best
-    if chosen is not None:
-        return (chosen.policies if key == "ac.blocks" else chosen.memory_budget), chosen
-    lowest = min(plans, key=lambda p: p.reserved_peak)
-    full = next((p for p in plans if p.ac_mode == "full"), None)
-    if full is None:
-        with Planner(cfg, world_size, device) as planner:
+        chosen = mixed or best
+        if chosen is not None:
+            return (chosen.policies if key == "ac.blocks" else chosen.memory_budget), chosen
+        lowest = min(plans, key=lambda p: p.reserved_peak)
+        full = next((p for p in plans if p.ac_mode == "full"), None)
+        if full is None:
             full = planner.plan(planner.point("full"), "full")
     raise UserError(
         f"{key}=auto: no setting fits {gib(lowest.limit)} GiB per rank on {lowest.device.name} "
