@@ -98,12 +98,11 @@ class Planner:
         cfg.ac.runtime_estimator = RuntimeEstimator.flops  # "profile" times kernels, which fake tensors cannot run
         return cfg
 
-    def reference(self, probed: Optional[tuple] = None) -> dict[str, float]:
-        """The step's FLOPs without AC and without compile: what recompute is counted against. `probed`: (a
-        point, its probe, its layout): the reference's own when that point is its config (an eager ac=none)."""
+    def reference(self) -> dict[str, float]:
+        """The step's FLOPs without AC and without compile: what recompute is counted against."""
         none = self.point("none")
         none.compile.enabled = False
-        return self.probes.reference(none, probed)
+        return self.probes.reference(none)
 
     # --- one plan ------------------------------------------------------------------------------------------
     def plan(self, cfg, label: Optional[str] = None, recompute: bool = True) -> Plan:
@@ -130,7 +129,7 @@ class Planner:
         step2 = [p for p in phases if p.step == 2]
         offloaded = {j: probe.first.host_per_block.get(layout.rep(j), 0) for j in range(n)}
         timing = step_time(step2, self.device, self.degrees, offloaded)
-        reference = self.reference((cfg, probe, layout)) if recompute else None
+        reference = self.reference() if recompute else None
         backward = sum(op.flops for p in step2 if p.kind == "backward" for op in p.ops)
         activations = probe.first.activations
         if layout.depth < n:  # each storage is counted in the block whose forward kept it
