@@ -7,6 +7,7 @@ import contextlib
 import copy
 import functools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 
 from membudget.launch import register_configs
 
@@ -60,6 +62,34 @@ def run_train(run_dir: Path, *overrides: str, timeout: float = 300, multirun: bo
     Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
     return subprocess.run(cmd, cwd=Path(run_dir).parent, capture_output=True, text=True, timeout=timeout,
                           env=subprocess_env(**(env or {})), stdin=subprocess.DEVNULL)
+
+
+def hydra_main_here(main, argv: list[str]) -> None:
+    """The Hydra entry point `main` (train.py's, membudget.plan's) run in this process as the command line `argv`
+    runs it: its dirs are the real ones, without a second interpreter importing torch. Hydra's logging set-up and
+    global state are undone afterwards."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sys, "argv", argv)
+            main()
+    finally:
+        GlobalHydra.instance().clear()
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:], root.level = handlers, level
+
+
+def multirun_here(sweep: Path, *overrides: str) -> None:
+    """`python train.py -m hydra.sweep.dir=<sweep> <overrides>` run in this process (Hydra's basic launcher runs
+    the jobs in its own process anyway)."""
+    import train
+
+    # imported, not run as a script, train.py's relative config_path would name a module: give the dir
+    hydra_main_here(train.main, ["train.py", "--config-path", str(ROOT / "conf"), "-m", f"hydra.sweep.dir={sweep}",
+                                 *overrides])
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -8,9 +8,8 @@ import pytest
 from membudget.errors import UserError
 from membudget.plan import SWEEP_BUDGETS, choose, choose_or_explain, plan_setting
 from membudget.rules import validate
-from tests.conftest import FAST_COMPILE, compose_cfg
+from tests.conftest import FAST_COMPILE, compose_cfg, hydra_main_here
 from tests.test_plan_model import plan
-from tests.test_report import hydra_main_here
 
 GiB = 2**30
 SMALL = ["logger=none", "train.device=cpu", FAST_COMPILE, "train.seq_len=64", "train.global_batch_size=2",

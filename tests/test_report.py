@@ -7,7 +7,6 @@ process; one runs a real, tiny `python train.py -m` sweep end to end (slow).
 import csv
 import importlib.util
 import json
-import logging
 import math
 import os
 import random
@@ -17,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from membudget import report
@@ -27,7 +25,7 @@ from membudget.report.pareto import Ties, dominates, pareto_front, tied
 from membudget.units import fmt_bytes, fmt_time
 from membudget.launch import register_configs
 from membudget.schema import ac_label
-from tests.conftest import FAST_COMPILE, ROOT
+from tests.conftest import FAST_COMPILE, ROOT, multirun_here
 from tests.wandb_offline import find_offline_runs, read_offline_run, read_offline_runs, read_table
 
 MiB = 2**20
@@ -442,34 +440,6 @@ def test_wandb_summary_run_and_offline_reader(tmp_path, monkeypatch):
     cut.write_bytes(bytes(corrupt))
     with pytest.raises(ValueError, match="corrupt"):
         read_offline_run(cut, timeout=0)
-
-
-def hydra_main_here(main, argv: list[str]) -> None:
-    """The Hydra entry point `main` (train.py's, membudget.plan's) run in this process as the command line `argv`
-    runs it: its dirs are the real ones, without a second interpreter importing torch. Hydra's logging set-up and
-    global state are undone afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(sys, "argv", argv)
-            main()
-    finally:
-        GlobalHydra.instance().clear()
-        for handler in root.handlers:
-            if handler not in handlers:
-                handler.close()
-        root.handlers[:], root.level = handlers, level
-
-
-def multirun_here(sweep: Path, *overrides: str) -> None:
-    """`python train.py -m hydra.sweep.dir=<sweep> <overrides>` run in this process (Hydra's basic launcher runs
-    the jobs in its own process anyway)."""
-    import train
-
-    # imported, not run as a script, train.py's relative config_path would name a module: give the dir
-    hydra_main_here(train.main, ["train.py", "--config-path", str(ROOT / "conf"), "-m", f"hydra.sweep.dir={sweep}",
-                                 *overrides])
 
 
 @pytest.mark.slow

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from membudget import report, search
-from tests.conftest import read_summary
-from tests.test_report import multirun_here
+from tests.conftest import multirun_here, read_summary
 from tests.test_search import EAGER
 
 pytest.importorskip("optuna", reason="the search extra: pip install -e '.[search]'")

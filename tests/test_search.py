@@ -15,8 +15,7 @@ import yaml
 
 from membudget import search
 from membudget.search import GiB, BudgetSampler, BudgetSearch, trial_record, values_of
-from tests.conftest import FAST_COMPILE, TINY, compose_cfg, read_summary, run_train
-from tests.test_report import multirun_here
+from tests.conftest import FAST_COMPILE, TINY, compose_cfg, multirun_here, read_summary, run_train
 
 optuna = pytest.importorskip("optuna", reason="the search extra: pip install -e '.[search]'")
 optuna.logging.set_verbosity(optuna.logging.WARNING)
