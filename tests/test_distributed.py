@@ -102,33 +102,3 @@ def test_four_ranks_hsdp_and_fsdp_tp_with_tied_embeddings_match_one_process(tmp_
                     "model.tie_embeddings=true", "train.micro_batch_size=1", *sized(8))
     assert proc.returncode == 0, proc.stderr[-4000:]
     _check_sweep(sweep, single, 4, 2, "true", batch=8)
-
-
-def test_a_killed_rank_ends_the_job_with_an_error_naming_it(tmp_path):
-    import os
-    import signal
-    import time
-
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(ROOT / "train.py"),
-           f"hydra.run.dir={run_dir}", "parallelism=fsdp", "logger=none", "train.steps=100000", "train.seq_len=32",
-           "parallelism.timeout_s=30", "checkpoint.enabled=false"]
-    out = tmp_path / "torchrun.out"
-    with out.open("w") as sink:  # a file, not a pipe: an unread pipe would block the ranks' logging
-        job = subprocess.Popen(cmd, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
-                               env=subprocess_env())
-    log = run_dir / "train_rank1.log"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and "step 3 |" not in (log.read_text() if log.exists() else ""):
-        time.sleep(0.1)
-    pid = int(log.read_text().split("pid ")[1].split()[0])
-    killed_at = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    job.wait(timeout=300)
-    output = out.read_text()
-    elapsed = time.monotonic() - killed_at
-    assert job.returncode != 0
-    # within a few parallelism.timeout_s=30 (the survivor's error; torch's own default waits 600 s, or forever):
-    # a bound no loaded machine reaches, where `< 60 s` could be
-    assert elapsed < 4 * 30, f"took {elapsed:.0f} s to end after a rank died"
-    assert "rank      : 1" in output and "Signal 9 (SIGKILL)" in output, output[-3000:]

@@ -215,23 +215,32 @@ SLOW_RUN = ("logger=wandb", "train.steps=200", "train.seq_len=64", "train.global
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_sigterm_and_ctrl_c_end_at_a_step_with_checkpoint_and_summary(tmp_path, signum, code):
+def test_sigterm_and_ctrl_c_end_at_a_step_with_checkpoint_and_summary(tmp_path):
+    """SIGTERM (exit 143), then Ctrl-C (SIGINT, exit 130) to the run the same command resumed: each stops at a
+    step with a checkpoint, an `interrupted` summary and a finished W&B run of its own; the same command then
+    resumes again and completes."""
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, *SLOW_RUN)
-    _wait_for_rows(run_dir, proc, 3)
-    proc.send_signal(signum)
-    assert proc.wait(timeout=60) == code
-    output = (tmp_path / "run.out").read_text()
-    assert "Traceback" not in output and "rerun the same command to resume" in output
-    summary = read_summary(run_dir)
-    steps = [r["step"] for r in read_metrics(run_dir)]
-    assert summary["status"] == "interrupted" and steps == list(range(1, len(steps) + 1))
-    assert (run_dir / "checkpoints" / f"step_{steps[-1]:07d}").is_dir()
-    (wandb_run,) = find_offline_runs(run_dir)
-    assert read_offline_run(wandb_run)["exit_code"] == 0  # the W&B run finished
-    done = run_train(run_dir, *SLOW_RUN, f"train.steps={steps[-1] + 2}")
-    assert done.returncode == 0 and "resumed from" in (run_dir / "train.log").read_text()
+    done_steps = 0
+    for launched, (signum, code) in enumerate(((signal.SIGTERM, 143), (signal.SIGINT, 130)), start=1):
+        proc = _start(run_dir, *SLOW_RUN)
+        _wait_for_rows(run_dir, proc, done_steps + 3)
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) == code, signum
+        output = (tmp_path / "run.out").read_text()
+        assert "Traceback" not in output and "rerun the same command to resume" in output, signum
+        summary = read_summary(run_dir)
+        steps = [r["step"] for r in read_metrics(run_dir)]
+        assert summary["status"] == "interrupted" and steps == list(range(1, len(steps) + 1)), signum
+        assert len(steps) > done_steps and (run_dir / "checkpoints" / f"step_{steps[-1]:07d}").is_dir(), signum
+        wandb_runs = find_offline_runs(run_dir)
+        assert len(wandb_runs) == launched and read_offline_run(wandb_runs[-1])["exit_code"] == 0, signum
+        # the second launch resumed from the first's checkpoint (train.log keeps every launch's lines)
+        assert (run_dir / "train.log").read_text().count("resumed from") == launched - 1, signum
+        done_steps = steps[-1]
+    done = run_train(run_dir, *SLOW_RUN, f"train.steps={done_steps + 2}")
+    assert done.returncode == 0 and read_summary(run_dir)["status"] == "completed"
+    assert (run_dir / "train.log").read_text().count("resumed from") == 2
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, done_steps + 3))
 
 
 @pytest.mark.slow

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from membudget.errors import UserError
-from membudget.launch import (Launch, expand_hostlist, first_host, launch_from_env, run_name, srun_port,
-                              srun_rendezvous, warn_if_unused_allocation)
+from membudget.launch import (Launch, config_fingerprint, expand_hostlist, first_host, launch_from_env, run_name,
+                              srun_port, srun_rendezvous, warn_if_unused_allocation)
 from tests.conftest import CONF, ROOT, TINY, compose_cfg, read_metrics, subprocess_env
 
 SALLOC = {"SLURM_JOB_ID": "4711", "SLURM_NTASKS": "16", "SLURM_NODELIST": "gpu[01-02]",
@@ -125,6 +125,23 @@ def test_incomplete_launch_is_one_line_error_and_the_run_still_gets_a_name(env, 
     assert "\n" not in str(err.value)
     # Hydra resolves the run dir before train.py can report the error: the name must not raise
     assert re.fullmatch(r"\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d-\d+", run_name(env))
+
+
+# --- every rank's config the same (tests/test_dist_faults.py launches two nodes that differ) -------------------
+
+@pytest.mark.parametrize("override", ["optimizer.lr=0.0005", "model.n_layers=3", "train.seed=1", "ac=full"])
+def test_a_config_that_differs_in_any_one_value_has_another_fingerprint(override):
+    """What the ranks compare before a model is built: one value apart, a value that trains silently apart (the
+    learning rate, the seed) or a shape that fails deep in a collective, is another fingerprint; the same
+    overrides composed again are the same one."""
+    from omegaconf import OmegaConf
+
+    def fingerprint(*overrides):
+        return config_fingerprint(OmegaConf.to_container(compose_cfg(*TINY, *overrides), resolve=True,
+                                                         enum_to_str=True))
+
+    assert fingerprint() == fingerprint()
+    assert fingerprint(override) != fingerprint()
 
 
 # --- the run's name -------------------------------------------------------------------------------------
