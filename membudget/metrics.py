@@ -281,10 +281,9 @@ def init_wandb(cfg, run_dir: Path, group: Optional[str], resume_id: Optional[str
     if cfg.logger.name != "wandb":
         return None
     import wandb
-    from omegaconf import OmegaConf
 
     from membudget.errors import UserError
-    from membudget.schema import ac_label, budget_of
+    from membudget.schema import ac_label, budget_of, resolved
 
     ac = cfg.ac
     tags = list(cfg.logger.tags) + [f"ac:{ac.mode}"]
@@ -299,7 +298,7 @@ def init_wandb(cfg, run_dir: Path, group: Optional[str], resume_id: Optional[str
             job_type=f"ac-{ac.mode}",
             tags=tags,
             name=cfg.logger.run_name or f"{cfg.model.name}-{ac_label(ac).replace(' ', '-')}",
-            config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+            config=resolved(cfg),
             dir=str(run_dir),
             mode=mode,
             id=resume_id,

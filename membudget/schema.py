@@ -561,6 +561,14 @@ def ac_label(ac) -> str:
     return mode
 
 
+def resolved(cfg) -> dict:
+    """The run's config as plain data, interpolations resolved and enums by name: what summary.json, W&B, a
+    checkpoint and the ranks' same-config check hold."""
+    from omegaconf import OmegaConf  # here, not at import: scripts/gpu_check.py runs where OmegaConf is not
+
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
 def flat_keys(config: dict, prefix: str = "") -> dict[str, Any]:
     """A nested config as {dotted key: value} (`model.dim`), for comparing two configs key by key."""
     out = {}

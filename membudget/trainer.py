@@ -25,7 +25,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from membudget.ac import compiler_scope
 from membudget.checkpoint import Checkpointer, config_changes, save_seconds
@@ -54,7 +53,7 @@ from membudget.offload import find_offloader
 from membudget.parallel import all_reduce, broadcast_object, build_mesh, clip_grad_norm, dp_coordinates, gradient_sync
 from membudget.rules import compile_enabled, validate
 from membudget.rundir import RunDirLock, start_fresh
-from membudget.schema import ACMode, NonFinite, ac_label, block_policies, budget_of, compact_policies
+from membudget.schema import ACMode, NonFinite, ac_label, block_policies, budget_of, compact_policies, resolved
 from membudget.step import Numerics, StepShape, build_model, build_optimizer, forward_backward
 from membudget.units import GiB, MiB
 
@@ -253,7 +252,7 @@ def _resume(cfg, checkpointer: Checkpointer, model, optimizer, scheduler) -> Opt
     are applied (and logged); the rest (AC, compile, layout, logging) is allowed."""
     if cfg.checkpoint.resume == "never":
         return None
-    now = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    now = resolved(cfg)
 
     def accept(state: dict) -> None:
         refused, applied, allowed = config_changes(state.get("config"), now)
@@ -305,7 +304,7 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     init_distributed(launch, device, cfg.parallelism.timeout_s)  # once per process: a multirun's jobs share it
     quiet_console(launch.is_main)
     _at("the check that every rank has the same config", None)
-    check_same_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), launch)  # before any model
+    check_same_config(resolved(cfg), launch)  # before any model
     _at("setup (the run dir, the model, resuming)", None)
     run_dir = _agree_on_run_dir(Path(run_dir), launch)
     quiet_log_file_errors()  # this rank's log file, if it follows rank 0's dir
@@ -489,7 +488,7 @@ def log_step(run: Run, step: int, result: StepResult, lr: float, seconds_per_ste
 def save_checkpoint(run: Run, step: int) -> None:
     extra = {"data": run.batches.state_dict(), "metrics_rows": len(run.rows),
              "wandb_id": run.wandb_run.id if run.wandb_run is not None else None}
-    config = OmegaConf.to_container(run.cfg, resolve=True, enum_to_str=True)
+    config = resolved(run.cfg)
     run.checkpointer.save(step, run.model, run.optimizer, run.scheduler, extra, config)
 
 
@@ -579,7 +578,7 @@ def _summary_header(cfg, world_size: int, wandb_run) -> dict[str, Any]:
             "project": wandb_run.project, "entity": wandb_run.entity, "group": wandb_run.group, "id": wandb_run.id,
             "dir": wandb_run.dir,
         },
-        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        "config": resolved(cfg),
     }
 
 

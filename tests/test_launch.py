@@ -25,6 +25,7 @@ import pytest
 from membudget.errors import UserError
 from membudget.launch import (Launch, config_fingerprint, expand_hostlist, first_host, launch_from_env, run_name,
                               srun_port, srun_rendezvous, warn_if_unused_allocation)
+from membudget.schema import resolved
 from tests.conftest import CONF, ROOT, TINY, compose_cfg, read_metrics, subprocess_env
 
 SALLOC = {"SLURM_JOB_ID": "4711", "SLURM_NTASKS": "16", "SLURM_NODELIST": "gpu[01-02]",
@@ -134,11 +135,8 @@ def test_a_config_that_differs_in_any_one_value_has_another_fingerprint(override
     """What the ranks compare before a model is built: one value apart, a value that trains silently apart (the
     learning rate, the seed) or a shape that fails deep in a collective, is another fingerprint; the same
     overrides composed again are the same one."""
-    from omegaconf import OmegaConf
-
     def fingerprint(*overrides):
-        return config_fingerprint(OmegaConf.to_container(compose_cfg(*TINY, *overrides), resolve=True,
-                                                         enum_to_str=True))
+        return config_fingerprint(resolved(compose_cfg(*TINY, *overrides)))  # as the trainer hands it over
 
     assert fingerprint() == fingerprint()
     assert fingerprint(override) != fingerprint()
