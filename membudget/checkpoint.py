@@ -127,15 +127,34 @@ def read_train_state(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / TRAIN_STATE).read_text())
 
 
+class _Unreadable(Exception):
+    """A manifest that cannot be read or is not the shape save() writes (a flipped bit can leave valid JSON)."""
+
+
+def _manifest(path: Path) -> dict[str, tuple[int, int]]:
+    """{file name: (bytes, crc32)} from the checkpoint's manifest; FileNotFoundError when there is none,
+    _Unreadable when it is damaged."""
+    try:
+        files = json.loads((Path(path) / MANIFEST).read_text())["files"]
+        entries = {name: (entry["bytes"], entry["crc32"]) for name, entry in files.items()}
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _Unreadable(type(e).__name__) from e
+    if not all(isinstance(name, str) and type(n) is int and type(crc) is int for name, (n, crc) in entries.items()):
+        raise _Unreadable("an entry is not (bytes, crc32)")
+    return entries
+
+
 def verify(path: Path, files: Optional[list[str]] = None) -> Optional[str]:
     """None when the checkpoint's files (all, or those named) match its manifest, else what is wrong."""
     path = Path(path)
     try:
-        manifest = json.loads((path / MANIFEST).read_text())["files"]
+        manifest = _manifest(path)
     except FileNotFoundError:
         return "no manifest.json (not a complete save)"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"unreadable manifest.json ({type(e).__name__})"
+    except _Unreadable as e:
+        return f"unreadable manifest.json ({e})"
     for name in files if files is not None else manifest:
         expected = manifest.get(name)
         file = path / name
@@ -143,9 +162,10 @@ def verify(path: Path, files: Optional[list[str]] = None) -> Optional[str]:
             return f"{name} is not in the manifest"
         if not file.is_file():
             return f"{name} is missing"
-        if file.stat().st_size != expected["bytes"]:
-            return f"{name} has {file.stat().st_size} bytes, {expected['bytes']} were written"
-        if _crc32(file) != expected["crc32"]:
+        nbytes, crc = expected
+        if file.stat().st_size != nbytes:
+            return f"{name} has {file.stat().st_size} bytes, {nbytes} were written"
+        if _crc32(file) != crc:
             return f"{name} does not match its checksum"
     return None
 
@@ -228,8 +248,8 @@ class Checkpointer:
     def _verify_together(self, path: Path) -> Optional[str]:
         """`verify` with the files split over the ranks (each checksums its share); rank 0 decides."""
         try:
-            names = sorted(json.loads((path / MANIFEST).read_text())["files"])
-        except (OSError, ValueError, KeyError, TypeError):
+            names = sorted(_manifest(path))
+        except (FileNotFoundError, _Unreadable):
             names = None  # verify() names the problem
         mine = verify(path, None if names is None else names[_rank()::_world()])
         if self._group is not None:
@@ -281,8 +301,8 @@ class Checkpointer:
             dist.all_gather_object(gathered, mine, group=self._group)
             files = {name: meta for part in gathered for name, meta in part.items()}
         try:
-            if rank == 0:
-                _write_durably(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1).encode())
+            if rank == 0:  # nothing verify() does not check: a flipped bit in an unread field would pass
+                _write_durably(tmp / MANIFEST, json.dumps({"files": files}, indent=1).encode())
                 _fsync_dir(tmp)
                 if final.exists():  # the same step saved again, after resuming from an older checkpoint
                     self._discard(final)

@@ -159,6 +159,40 @@ def test_every_damage_is_found_by_the_manifest(tmp_path):
     assert {".metadata", "__0_0.distcp", "train_state.json", "rng_rank0.pt", MANIFEST} <= damaged
 
 
+@pytest.mark.parametrize("damage", [
+    ("crc32", "brc32"), ("bytes", "cytes"),  # a flipped bit in a key: still valid JSON
+    ('"files": {', '"files": [{'), ('"files": {', '"filet": {'),
+])
+def test_a_manifest_that_is_valid_json_of_another_shape_is_damage_not_a_crash(tmp_path, damage):
+    """A flipped bit can leave the manifest valid JSON of another shape: verify names it (resume then falls back
+    to an older checkpoint), it never raises."""
+    good = Checkpointer(tmp_path, CheckpointConfig(keep=1)).save(1, *tiny_run(), extra={})
+    manifest = good / MANIFEST
+    text = manifest.read_text()
+    old, new = damage
+    assert old in text
+    manifest.write_text(text.replace(old, new, 1))
+    assert verify(good).startswith("unreadable manifest.json")
+    assert Checkpointer(tmp_path, CheckpointConfig(keep=1)).latest() is None
+
+
+def test_every_single_flipped_bit_of_the_manifest_is_found(tmp_path):
+    """Each of the manifest's bits flipped in turn (the random damages above reach only some): every one is found,
+    none raises."""
+    good = Checkpointer(tmp_path, CheckpointConfig(keep=1)).save(1, *tiny_run(), extra={})
+    manifest = good / MANIFEST
+    data = manifest.read_bytes()
+    missed = []
+    for i in range(len(data) * 8):
+        flipped = bytearray(data)
+        flipped[i // 8] ^= 1 << (i % 8)
+        manifest.write_bytes(bytes(flipped))
+        if verify(good) is None:
+            missed.append(bytes(flipped).decode(errors="replace"))
+    manifest.write_bytes(data)
+    assert verify(good) is None and not missed, missed[:1]
+
+
 @pytest.mark.slow
 def test_random_damage_resumes_from_the_newest_intact_checkpoint(tmp_path):
     """Every kind of damage to each file of the newest checkpoint (20, at seeded random places): each resume uses
