@@ -336,6 +336,10 @@ class TrainConfig:
     """A NaN/inf loss or gradient norm: stop before the optimizer step, or skip that step."""
     max_skipped_steps: int = 3
     """on_nonfinite=skip: stop once this many steps were skipped in a row."""
+    gc_every_steps: Optional[int] = 50
+    """Python's cyclic garbage collector (its young generations) runs after the first step and every N steps, at
+    the same step on every rank, instead of whenever allocations trigger it: a collection that pauses one rank
+    stalls the others at the next collective (torchtitan's training.gc_freq, default 50); null: Python's own."""
 
 
 @dataclass

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -499,7 +500,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnostics) -> None:
+@contextlib.contextmanager
+def scheduled_gc(every: Optional[int]) -> Iterator[Callable[[int, bool], None]]:
+    """`collect(step, first)` for the end of each step: with `every`, Python's automatic cyclic collection is off
+    and its young generations are collected after the first step (compilation's garbage) and every `every`
+    steps; None: Python's own schedule, nothing to do. The collector is switched back on afterwards (the next
+    job of a multirun, a test)."""
+    if every is None:
+        yield lambda step, first: None
+        return
+    was_enabled = gc.isenabled()
+    gc.disable()
+
+    def collect(step: int, first: bool) -> None:
+        if first or step % every == 0:
+            gc.collect(1)
+
+    try:
+        yield collect
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnostics,
+         collect: Callable[[int, bool], None]) -> None:
     t = run.cfg.train
     interval_start, interval_steps = time.perf_counter(), 0
     for step in range(run.start_step + 1, t.steps + 1):
@@ -529,6 +554,7 @@ def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnosti
             _at("the checkpoint save", step)
             save_checkpoint(run, step)
         diagnostics.on_step_end(step)
+        collect(step, first)
         if stop_now:
             saved = "checkpoint saved" if run.cfg.checkpoint.enabled else "checkpointing is off"
             signum = stop.agreed or stop.received
@@ -607,8 +633,9 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
                 progress = Progress(str(cfg.train.progress) if run.launch.is_main else "lines", cfg.train.steps,
                                     run.start_step, run.label)
                 try:
-                    with compiler_scope(cfg.ac, run.run_dir, cfg.model.n_layers):
-                        loop(run, stop, progress, diagnostics)
+                    with compiler_scope(cfg.ac, run.run_dir, cfg.model.n_layers), \
+                            scheduled_gc(cfg.train.gc_every_steps) as collect:
+                        loop(run, stop, progress, diagnostics, collect)
                 finally:
                     progress.close()
                 summary = summarize(run)

@@ -135,6 +135,7 @@ CASES = [
     run("grad-norm-negative", "train.max_grad_norm", "train.max_grad_norm=-1"),
     run("seed-negative", "train.seed", "data=synthetic", "train.seed=-1"),
     run("max-skipped-zero", "train.max_skipped_steps", "train.max_skipped_steps=0"),
+    run("gc-every-zero", "train.gc_every_steps", "train.gc_every_steps=0"),
     # ---- runs that cannot fit this host's memory: refused before anything is allocated
     run("batch-beyond-host", "train.global_batch_size", "train.global_batch_size=1000000"),
     run("8b-on-cpu", "model", "model=llama3_8b", "tokenizer=llama3", "tokenizer.path={tmp}/bytes.model"),

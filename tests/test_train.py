@@ -1,6 +1,7 @@
 """Training end to end, as a user runs it: metrics.jsonl, summary.json and an offline W&B run; what the console
 and train.log say while a run goes; the default run learns; the README's inductor command runs as typed."""
 
+import gc
 import json
 import math
 
@@ -83,6 +84,34 @@ def test_readme_command_runs_as_typed_with_inductor(tmp_path):
     assert saved["full"] < summary["activation_bytes"] < saved["1.0"], (summary["activation_bytes"], saved)
     share = (summary["activation_bytes"] - saved["full"]) / (saved["1.0"] - saved["full"])  # 0.3998 on torch 2.13
     assert share == pytest.approx(0.4, abs=0.05), share
+
+
+@pytest.mark.parametrize("every", [2, None])
+def test_the_garbage_collector_runs_on_the_step_schedule_and_is_back_on_afterwards(tmp_path, every):
+    """train.gc_every_steps=2 over 5 steps: Python's automatic collection is off through the steps, and the young
+    generations are collected after step 1 (compilation's garbage), 2 and 4; null: Python's own schedule. The
+    collector is on again after the run (gc.callbacks sees every collection and whether it was automatic)."""
+    seen = []  # (generation, automatic collection possible) of every collection
+
+    def note(phase, info):
+        if phase == "start":
+            seen.append((info["generation"], gc.isenabled()))
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(100)  # automatic collections, wherever the collector is on
+    gc.callbacks.append(note)
+    try:
+        train_here(tmp_path / "run", *TINY, "train.steps=5", f"train.gc_every_steps={every or 'null'}",
+                   "checkpoint.enabled=false")
+    finally:
+        gc.callbacks.remove(note)
+        gc.set_threshold(*thresholds)
+    assert gc.isenabled()
+    scheduled = [g for g, automatic in seen if not automatic]
+    if every is None:
+        assert not scheduled and len(seen) > 10  # the automatic collector ran throughout
+    else:
+        assert scheduled == [1, 1, 1], seen
 
 
 @pytest.mark.slow
