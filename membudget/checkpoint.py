@@ -141,7 +141,7 @@ def _manifest(path: Path) -> dict[str, tuple[int, int]]:
         raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise _Unreadable(type(e).__name__) from e
-    if not all(isinstance(name, str) and type(n) is int and type(crc) is int for name, (n, crc) in entries.items()):
+    if not all(type(n) is int and type(crc) is int for n, crc in entries.values()):  # JSON's keys are strings
         raise _Unreadable("an entry is not (bytes, crc32)")
     return entries
 
