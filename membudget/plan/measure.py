@@ -203,8 +203,8 @@ def _storage_sizes(tensors) -> list[int]:
 
 
 def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int, depth: int, period: int,
-              n_micro: int) -> Probe:
-    """Record the probe's micro-batches (see the module docstring)."""
+              n_micro: int, flops_only: bool = False) -> Probe:
+    """Record the probe's micro-batches (see the module docstring); `flops_only`: the first alone, for its FLOPs."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     # the device tells FSDP2 whether to train in mixed precision, as on the GPU
     model = build_parallel_model(cfg, mesh, torch.device(numerics.target), n_layers=depth,
@@ -229,18 +229,20 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
         inputs, labels = (t.contiguous().split(micro_batch)[0] for t in (tokens[:, :-1], tokens[:, 1:]))
         step = (model, inputs, labels, counter)
         # The warm-up compiles at the step's shapes and fills DTensor's caches for them; else (FSDP2's lazy
-        # initialisation) a short sequence does
+        # initialisation, DDP's bucket rebuild) a short sequence does. An eager step on one process has no such
+        # first call, and one outside TP none that moves a FLOP: their recordings are the same without it.
         shaped = compile_enabled(cfg) or mesh_size(mesh, "tp") > 1
-        forward_backward(*(step if shaped else (model, tokens[:1, :8], tokens[:1, 1:9], counter)), numerics)
-        model.zero_grad(set_to_none=True)
+        if shaped or (mesh is not None and not flops_only):
+            forward_backward(*(step if shaped else (model, tokens[:1, :8], tokens[:1, 1:9], counter)), numerics)
+            model.zero_grad(set_to_none=True)
         recorder = Recorder(group_names)
         counter.recorder = recorder
         handles = _marks(model, recorder)
         runs = []
         with recorder.tracking():
             # the first micro-batch and the last; between them a middle one where it syncs differently
-            if n_micro == 1:
-                lasts = [True]
+            if n_micro == 1 or flops_only:
+                lasts = [n_micro == 1]
             elif n_micro > 2 and defers_sync(model, mesh):
                 lasts = [False, False, True]
             else:

@@ -30,25 +30,27 @@ class Probes:
         self._reference: Optional[dict[str, float]] = None
         self._latest: Optional[tuple] = None  # (config, probe, layout): the last probe, which the next may repeat
 
-    def probe(self, cfg) -> tuple[Probe, Layout]:
+    def probe(self, cfg, flops_only: bool = False) -> tuple[Probe, Layout]:
         """The probe of `cfg` (a Planner's point) under its compiler settings, and how it lays out the model; the
-        last one again when `cfg` equals its config (an eager ac=none point is also the FLOPs reference)."""
+        last one again when `cfg` equals its config (an eager ac=none point is also the FLOPs reference).
+        `flops_only`: its first micro-batch alone, for what it computes (run_probe), not kept for a later plan."""
         if self._latest is not None and self._latest[0] == cfg:
             return self._latest[1:]
         n = cfg.model.n_layers
         depth, period = probe_shape(cfg, n)
         with compiler_scope(cfg.ac, n_layers=n):
-            probe = self._run(cfg, depth, period)
+            probe = self._run(cfg, depth, period, flops_only)
             layout = Layout(n, depth, period)
             if depth < n and not all(consistent(r, layout) for r in probe.runs):
                 log.warning("plan: the probe's middle blocks allocate differently; probing all %d blocks", n)
-                probe, layout = self._run(cfg, n, 1), Layout(n, n, 1)
-        self._latest = (copy.deepcopy(cfg), probe, layout)  # a copy: a caller may change its config afterwards
+                probe, layout = self._run(cfg, n, 1, flops_only), Layout(n, n, 1)
+        if not flops_only:
+            self._latest = (copy.deepcopy(cfg), probe, layout)  # a copy: a caller may change its config afterwards
         return probe, layout
 
-    def _run(self, cfg, depth: int, period: int) -> Probe:
+    def _run(self, cfg, depth: int, period: int, flops_only: bool) -> Probe:
         return run_probe(cfg, self.mesh, self.groups, self.numerics, self.shape.micro_batch, depth, period,
-                         self.shape.n_micro)
+                         self.shape.n_micro, flops_only)
 
     def optimizer(self, cfg, probe: Probe) -> OptimizerRun:
         """Gradient clipping and AdamW on this rank's shards of the whole model (the same for every AC setting): a
@@ -64,7 +66,7 @@ class Probes:
         """The step's forward and backward FLOPs of `none` (this run without AC and without compile: the same
         config at every call, so it is measured once): what recompute is counted against."""
         if self._reference is None:
-            probe, layout = self.probe(none)
+            probe, layout = self.probe(none, flops_only=True)
             flops = {"forward": 0, "backward": 0}
             for kind, j in layout.order():
                 segment = probe.first.segments.get(layout.segment_name(kind, j))
