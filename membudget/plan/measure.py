@@ -3,10 +3,12 @@ process group of the planned world size, recorded op by op.
 
 A probe is a model of a few blocks (a bottom, three periods of the AC policy's pattern over layers, a top: 5
 blocks, or 3N+2 for "every N-th block"), built and parallelised by the trainer's `build_parallel_model` and run
-through its `forward_backward`: one warm-up micro-batch (it compiles, initialises FSDP2 and fills DTensor's
-caches), then a recorded one from no gradients (a step's first micro-batch) and, with accumulation, one that
+through its `forward_backward`: one warm-up micro-batch where a first call differs from the next (it compiles,
+initialises FSDP2 and DDP's buckets, fills DTensor's caches; an eager step on one process has none), then a
+recorded one from no gradients (a step's first micro-batch) and, with accumulation, one that
 adds to them (as the step's last: with replicas it also all-reduces) and, with replicas and three or more
-micro-batches, one between them that adds without the replicas' sync. The optimizer step (gradient clipping,
+micro-batches, one between them that adds without the replicas' sync. The FLOPs reference records the first
+micro-batch alone. The optimizer step (gradient clipping,
 AdamW) is recorded on this rank's shards of the whole model, first without optimizer states (step 1), then
 with them.
 
@@ -229,8 +231,9 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
         inputs, labels = (t.contiguous().split(micro_batch)[0] for t in (tokens[:, :-1], tokens[:, 1:]))
         step = (model, inputs, labels, counter)
         # The warm-up compiles at the step's shapes and fills DTensor's caches for them; else (FSDP2's lazy
-        # initialisation, DDP's bucket rebuild) a short sequence does. An eager step on one process has no such
-        # first call, and one outside TP none that moves a FLOP: their recordings are the same without it.
+        # initialisation, DDP's bucket rebuild) a short sequence does. Not needed where the recording is the same
+        # without it: an eager step on one process, or an eager FLOP count outside TP (those first calls
+        # allocate, but compute nothing)
         shaped = compile_enabled(cfg) or mesh_size(mesh, "tp") > 1
         if shaped or (mesh is not None and not flops_only):
             forward_backward(*(step if shaped else (model, tokens[:1, :8], tokens[:1, 1:9], counter)), numerics)
@@ -241,8 +244,10 @@ def run_probe(cfg, mesh, group_names: dict, numerics: Numerics, micro_batch: int
         runs = []
         with recorder.tracking():
             # the first micro-batch and the last; between them a middle one where it syncs differently
-            if n_micro == 1 or flops_only:
-                lasts = [n_micro == 1]
+            if flops_only:
+                lasts = [n_micro == 1]  # the step's first micro-batch, also its last when it is the only one
+            elif n_micro == 1:
+                lasts = [True]
             elif n_micro > 2 and defers_sync(model, mesh):
                 lasts = [False, False, True]
             else:
