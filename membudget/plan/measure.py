@@ -5,12 +5,12 @@ A probe is a model of a few blocks (a bottom, three periods of the AC policy's p
 blocks, or 3N+2 for "every N-th block"), built and parallelised by the trainer's `build_parallel_model` and run
 through its `forward_backward`: one warm-up micro-batch where a first call differs from the next (it compiles,
 initialises FSDP2 and DDP's buckets, fills DTensor's caches; an eager step on one process has none), then a
-recorded one from no gradients (a step's first micro-batch) and, with accumulation, one that
-adds to them (as the step's last: with replicas it also all-reduces) and, with replicas and three or more
-micro-batches, one between them that adds without the replicas' sync. The FLOPs reference records the first
-micro-batch alone. The optimizer step (gradient clipping,
-AdamW) is recorded on this rank's shards of the whole model, first without optimizer states (step 1), then
-with them.
+recorded one from no gradients (a step's first micro-batch) and, with accumulation, one that adds to them (as
+the step's last: with replicas it also all-reduces) and, with replicas and three or more micro-batches, one
+between them that adds without the replicas' sync. The FLOPs reference records the first micro-batch alone, and
+warms up only where the first call computes differently (compiled or TP). The optimizer step (gradient
+clipping, AdamW) is recorded on this rank's shards of the whole model, first without optimizer states (step 1),
+then with them.
 
 GPU runs are planned on this CPU, emulated where CPU and GPU differ: bf16 autocast as CPU autocast (the model
 casts explicitly where the two differ), attention as the CUDA kernel `Numerics` names (its meta kernel yields
