@@ -11,7 +11,9 @@ tokens/s over the steps after, each with its error. On the CPU the measured peak
 plan matches exactly, and there is no time model. On one GPU it takes a few minutes (inductor compiles each
 budget once).
 
-Sections, in this order, each in its own try/except (a failure is one line in the results, and the rest run):
+A setting with the suffix "@compile" ("selective@compile") has its blocks compiled, as torchtitan's compiled rows.
+
+Sections, in the order --sections names them, each in its own try/except (a failure is one line in the results, and the rest run):
 env (torch, the GPU, read-only nvidia-smi); micro (the ceilings, a device copy counting read+write bytes and a
 square bf16 matmul, then kernels at Llama 3 8B's shapes: each linear's forward, input- and weight-gradient GEMMs,
 causal SDPA with each backend, memory-bound ops, AdamW over 8B's parameters split over 8 ranks, the host cost of
@@ -90,6 +92,7 @@ from membudget.schema import ACMode, CompileBackend, OffloadWith, RunConfig, Tra
 from membudget.step import Numerics, build_model, build_optimizer, forward_backward  # noqa: E402
 
 SETTINGS = ("none", "full", "selective", "0.0", "0.5", "1.0")
+COMPILED = "@compile"  # a setting's suffix: its blocks compiled (memory budgets are compiled anyway)
 
 
 def model_preset(name: str) -> dict:
@@ -120,6 +123,8 @@ def build_config(setting: str, device: str, model: str, layers: Optional[int], s
     cfg.train.device = TrainDevice(device)
     cfg.train.seq_len, cfg.train.global_batch_size = seq, batch
     cfg.compile.backend = CompileBackend.inductor if device == "cuda" else CompileBackend.aot_eager_decomp_partition
+    if setting.endswith(COMPILED):  # torchtitan's compiled rows: the blocks compiled whatever their AC
+        setting, cfg.compile.enabled = setting.removesuffix(COMPILED), True
     mode, _, option = setting.partition(":")
     if setting.startswith("blocks="):  # a policy per block: per_block's spelling
         cfg.ac.mode, cfg.ac.blocks = ACMode.per_block, setting.partition("=")[2]
@@ -955,18 +960,19 @@ def replay_trace(events: list[dict]) -> dict:
 def fsdp_md(results: list[dict], error: str = "") -> str:
     lines = ["FSDP2 over one rank (its copy-in and reduce-scatter streams), each allocator in a fresh process"
              f"{': ' + error if error else ''}. Replayed: the planner's allocator model on the GPU's own trace.",
-             "| allocator | max_allocated planned / measured | max_reserved planned / measured | replayed reserved "
-             "/ measured | segments large / small (peak) | reserved by stream/pool |", "|---|---|---|---|---|---|"]
+             "| allocator | setting | max_allocated planned / measured | max_reserved planned / measured | replayed "
+             "reserved / measured | segments large / small (peak) | reserved by stream/pool |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r.get('allocator', '?')} | {r['error']} | | | | |")
+            lines.append(f"| {r.get('allocator', '?')} | {r.get('setting', '')} | {r['error']} | | | | |")
             continue
         p, m, rec = r["plan"], r["measured"], r.get("record") or {}
         stats, replay = rec.get("stats") or {}, rec.get("replay") or {}
         mine = "expandable" if r["allocator"].startswith("expandable") else "default"
         streams = ", ".join(f"{k} {fmt_bytes(v['bytes'])} in {v['segments']}" for k, v in
                             sorted((rec.get("streams") or {}).items()))
-        lines.append(f"| {r['allocator']} | {_cell(p['max_allocated'], m['max_allocated'], fmt_bytes)} | "
+        lines.append(f"| {r['allocator']} | {r.get('setting', '')} | {_cell(p['max_allocated'], m['max_allocated'], fmt_bytes)} | "
                      f"{_cell(p['reserved'], m['max_reserved'], fmt_bytes)} | "
                      f"{_cell(replay.get(mine + '_reserved'), m['max_reserved'], fmt_bytes)} | "
                      f"{stats.get('segment.large_pool.peak')} / {stats.get('segment.small_pool.peak')} | {streams} |")
@@ -1083,7 +1089,8 @@ def main(argv=None) -> dict:
     global OUT
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help=f"AC settings; a suffix {COMPILED} compiles the blocks (selective{COMPILED})")
     parser.add_argument("--model", default=None, help="a conf/model preset (llama3_8b on a GPU, llama3_debug on CPU)")
     parser.add_argument("--layers", type=int, default=None, help="blocks (4 for llama3_8b; the preset's otherwise)")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (8192 on a GPU, 64 on CPU)")
@@ -1094,7 +1101,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="wall-clock seconds after which the sections (and settings) not begun are skipped")
     parser.add_argument("--sections", default="env,micro,profile,settings,expandable",
-                        help="env (nvidia-smi), micro (ceilings and kernels at 8B's shapes), profile (kernel table "
+                        help="run in this order: env (nvidia-smi), micro (ceilings and kernels at 8B's shapes), profile (kernel table "
                              "of real steps), settings (planned vs measured), expandable (expandable segments), "
                              "fsdp_expandable (FSDP2 over one rank under each allocator; not in the default), offload (the host "
                              "link, offloading's settings planned vs measured and its copies checked; not in the "
@@ -1230,7 +1237,11 @@ def main(argv=None) -> dict:
 
     sections = [("env", env), ("micro", micro_all), ("profile", profile_all), ("settings", settings_all),
                 ("expandable", expandable), ("fsdp_expandable", fsdp_expandable), ("offload", offload)]
-    run_sections([(n, f) for n, f in sections if n in wanted], report, a.budget_s, start)
+    known = dict(sections)
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        parser.error(f"--sections={a.sections}: no section {', '.join(unknown)}; choose from {', '.join(known)}")
+    run_sections([(n, known[n]) for n in wanted], report, a.budget_s, start)  # in the order asked for
     report.data["elapsed_s"] = time.perf_counter() - start
     report.write()
     log()
@@ -1277,7 +1288,8 @@ def fsdp_child(path: Path, a, model: str, seq: int, batch: int) -> None:
             result = fsdp_one_rank(cfg, device, max(2, a.steps))
             trace = result["record"].pop("trace", None)
             if trace is not None and a.out:
-                name = f"fsdp_trace_{'expandable' if expandable else 'default'}_{setting}.json"
+                plain = re.sub(r"[^A-Za-z0-9._-]", "-", setting)  # a file name any copier keeps
+                name = f"fsdp_trace_{'expandable' if expandable else 'default'}_{plain}.json"
                 (Path(a.out) / name).write_text(json.dumps(trace))
             results.append({"setting": setting, **result})
         except Exception as e:  # the next setting still runs

@@ -97,6 +97,23 @@ def test_a_chrome_trace_becomes_a_kernel_table_per_class(tmp_path):
     assert "| gemm | 1 | 0.30 | 30.0% |" in check.profile_md("none", table)
 
 
+def test_a_compiled_suffix_compiles_the_blocks_and_keeps_the_ac_setting():
+    check = gpu_check()
+    eager = check.build_config("selective", "cpu", "llama3_debug", 2, 32, 2)
+    compiled = check.build_config("selective" + check.COMPILED, "cpu", "llama3_debug", 2, 32, 2)
+    assert (eager.ac, eager.compile.enabled) == (compiled.ac, None) and compiled.compile.enabled is True
+    assert check.build_config("0.5", "cpu", "llama3_debug", 2, 32, 2).compile.enabled is None  # compiled by rule
+
+
+def test_sections_run_in_the_order_asked_and_an_unknown_one_is_refused(tmp_path, capsys):
+    check = gpu_check()
+    data = check.main(["--device", "cpu", "--sections", "micro,env", "--out", str(tmp_path), "--budget-s", "0"])
+    assert list(data["sections"]) == ["micro", "env"]  # skipped (no budget), but in this order
+    with pytest.raises(SystemExit):
+        check.main(["--device", "cpu", "--sections", "env,kernels", "--out", str(tmp_path)])
+    assert "--sections=env,kernels: no section kernels; choose from env, micro" in capsys.readouterr().err
+
+
 def test_a_failing_section_is_recorded_and_the_rest_still_run_and_write_json(tmp_path):
     check = gpu_check()
     report, ran = check.Report(tmp_path), []
@@ -213,4 +230,4 @@ def test_the_fsdp_expandable_section_runs_each_allocator_in_a_fresh_process(tmp_
                                                                   ("selective", "expandable segments")]
     for r in results:
         assert r["plan"]["max_allocated"] == pytest.approx(r["measured"]["max_allocated"], abs=1024)
-    assert "| expandable segments | " in (tmp_path / "gpu_check.md").read_text()
+    assert "| expandable segments | selective | " in (tmp_path / "gpu_check.md").read_text()
