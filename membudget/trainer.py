@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -22,13 +21,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from membudget.ac import compiler_scope
 from membudget.checkpoint import Checkpointer, config_changes, save_seconds
+from membudget.collector import scheduled_gc
 from membudget.data import Prefetcher, TokenBatches, build_tokenizer, vocab_size_check
 from membudget.diagnostics import Diagnostics
 from membudget.console import quiet_log_file_errors
@@ -498,29 +498,6 @@ def save_checkpoint(run: Run, step: int) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def scheduled_gc(every: Optional[int]) -> Iterator[Callable[[int, bool], None]]:
-    """`collect(step, first)` for the end of each step: with `every`, Python's automatic cyclic collection is off
-    and its young generations are collected after the first step (compilation's garbage) and every `every`
-    steps; None: Python's own schedule, nothing to do. The collector is switched back on afterwards (the next
-    job of a multirun, a test)."""
-    if every is None:
-        yield lambda step, first: None
-        return
-    was_enabled = gc.isenabled()
-    gc.disable()
-
-    def collect(step: int, first: bool) -> None:
-        if first or step % every == 0:
-            gc.collect(1)
-
-    try:
-        yield collect
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnostics,

@@ -19,6 +19,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from membudget.collector import collect_rarely
 from membudget.launch import register_configs
 
 # One intra-op thread, as the subprocesses get (OMP_NUM_THREADS=1 in subprocess_env): the models here are tiny,
@@ -127,12 +128,12 @@ def small_tmpfs(tmp_path: Path, size: str):
 
 def pytest_collection_finish(session):
     """Python's cyclic collector in a worker: the objects of its imports and collection are frozen out of it (never
-    garbage: torch, Hydra, the test modules) and its youngest generation is collected every 50,000 allocations
-    instead of 700. The planner's fake-tensor runs and torch.compile allocate millions of short-lived objects,
+    garbage: torch, Hydra, the test modules) and its youngest generation is collected rarely, as in train.py
+    (membudget/collector.py). The planner's fake-tensor runs and torch.compile allocate millions of short-lived objects,
     and with the defaults the collector took 12 % of a planning test's CPU (tests/test_plan_cli.py, measured
     with gc.callbacks). Reference counting still frees everything that is not in a cycle at once."""
     gc.freeze()
-    gc.set_threshold(50_000, 20, 20)
+    collect_rarely()
 
 
 @pytest.fixture(autouse=True)

@@ -1,3 +1,7 @@
-from .cli import main
+from membudget.collector import collect_rarely
+
+collect_rarely()  # before torch loads: planning on fake tensors allocates millions of short-lived objects
+
+from .cli import main  # noqa: E402
 
 main()
