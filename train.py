@@ -8,10 +8,6 @@ import logging
 import sys
 from pathlib import Path
 
-from membudget.collector import collect_rarely
-
-collect_rarely()  # before Hydra, torch and Dynamo allocate their millions of short-lived objects
-
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode

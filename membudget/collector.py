@@ -1,11 +1,15 @@
-"""When Python's cyclic garbage collector runs: rarely while a process imports, composes and compiles, and at
-the same step on every rank while it trains.
+"""When Python's cyclic garbage collector runs: rarely where a process plans (the planner's CLI, the test
+workers), and at the same step on every rank while it trains.
 
-Importing torch, composing the config, tracing with Dynamo and planning on fake tensors allocate millions of
-short-lived objects that reference counting frees; with Python's default thresholds the collector walks the
-young generation every 700 allocations and, in a tiny 3-step run, takes about 5 % of the process's CPU (4-job
-sweeps and single runs, A B A B: docs/measured.md). Reference counting still frees at once whatever is not in
-a cycle."""
+Planning on fake tensors and tracing with Dynamo allocate millions of short-lived objects that reference
+counting frees; with Python's default thresholds the collector walks the young generation every 700
+allocations and took 12 % of a planning test's CPU (docs/measured.md). Reference counting still frees at once
+whatever is not in a cycle.
+
+Training processes keep Python's thresholds: with rare collection, the cycles of a finished run (its model,
+mesh and process groups) would outlive it until the interpreter exits, after atexit destroyed the process group.
+While train.py collected rarely, one torchrun rank of five suite runs aborted at exit (docs/measured.md); that
+it was the cause is not shown, and training was left as it was."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ YOUNG_THRESHOLD = 50_000  # allocations between collections of the youngest gene
 
 def collect_rarely() -> None:
     """The collector's thresholds for the rest of this process: its youngest generation every YOUNG_THRESHOLD
-    allocations, the older ones every 20 of the younger's collections. Called first by the entry points."""
+    allocations, the older ones every 20 of the younger's collections."""
     gc.set_threshold(YOUNG_THRESHOLD, 20, 20)
 
 
@@ -26,7 +30,7 @@ def collect_rarely() -> None:
 def scheduled_gc(every: Optional[int]) -> Iterator[Callable[[int, bool], None]]:
     """`collect(step, first)` for the end of each step: with `every`, Python's automatic cyclic collection is off
     and its young generations are collected after the first step (compilation's garbage) and every `every`
-    steps; None: the automatic collector, nothing to do. The collector is switched back on afterwards (the next
+    steps; None: Python's own schedule, nothing to do. The collector is switched back on afterwards (the next
     job of a multirun, a test)."""
     if every is None:
         yield lambda step, first: None

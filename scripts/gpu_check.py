@@ -52,14 +52,10 @@ from pathlib import Path
 from typing import Optional
 from unittest import mock
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-from membudget.collector import collect_rarely  # noqa: E402
-
-collect_rarely()  # as train.py does, before torch loads
-
-import torch  # noqa: E402
 
 
 def gqa_flop_formulas() -> bool:

@@ -11,10 +11,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from membudget.collector import collect_rarely
-
-collect_rarely()  # as train.py does, before torch loads
-
 import torch
 import torch.distributed as dist
 

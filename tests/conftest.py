@@ -128,10 +128,10 @@ def small_tmpfs(tmp_path: Path, size: str):
 
 def pytest_collection_finish(session):
     """Python's cyclic collector in a worker: the objects of its imports and collection are frozen out of it (never
-    garbage: torch, Hydra, the test modules) and its youngest generation is collected rarely, as in train.py
-    (membudget/collector.py). The planner's fake-tensor runs and torch.compile allocate millions of short-lived objects,
-    and with the defaults the collector took 12 % of a planning test's CPU (tests/test_plan_cli.py, measured
-    with gc.callbacks). Reference counting still frees everything that is not in a cycle at once."""
+    garbage: torch, Hydra, the test modules) and its youngest generation is collected rarely, as the planner's
+    CLI does (membudget/collector.py). The planner's fake-tensor runs and torch.compile allocate millions of
+    short-lived objects, and with the defaults the collector took 12 % of a planning test's CPU
+    (tests/test_plan_cli.py, measured with gc.callbacks). Reference counting still frees everything that is not in a cycle at once."""
     gc.freeze()
     collect_rarely()
 

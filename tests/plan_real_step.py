@@ -9,10 +9,6 @@ import json
 import sys
 from types import SimpleNamespace
 
-from membudget.collector import collect_rarely
-
-collect_rarely()  # as train.py does, before torch loads
-
 import torch
 import torch.distributed as dist
 
