@@ -13,20 +13,21 @@ budget once).
 
 A setting with the suffix "@compile" ("selective@compile") has its blocks compiled, as torchtitan's compiled rows.
 
-Sections, in the order --sections names them, each in its own try/except (a failure is one line in the results, and the rest run):
-env (torch, the GPU, read-only nvidia-smi); micro (the ceilings, a device copy counting read+write bytes and a
-square bf16 matmul, then kernels at Llama 3 8B's shapes: each linear's forward, input- and weight-gradient GEMMs,
-causal SDPA with each backend, memory-bound ops, AdamW over 8B's parameters split over 8 ranks, the host cost of
-a tiny op; FLOPs and bytes as counted: each input read once, each output written once; causal SDPA forward
-4*B*H*S*S*D/2, backward 2.5x that); profile (--profile-settings trained with torch.profiler over
---profile-steps after the timed steps: GPU kernel time per op class, and the step's wall time less it); settings
-(the other settings, planned against measured); expandable (none, full and 0.5 again in a fresh process with
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, planned with plan.expandable_segments=true); fsdp_expandable
+Sections, in the order --sections names them, each in its own try/except (a failure is one line in the results, and
+the rest run): env (torch, the GPU, read-only nvidia-smi); micro (the ceilings, a device copy counting read+write
+bytes and a square bf16 matmul, then kernels at Llama 3 8B's shapes: each linear's forward, input- and
+weight-gradient GEMMs, causal SDPA with each backend, memory-bound ops, AdamW over 8B's parameters split over 8
+ranks, the host cost of a tiny op; FLOPs and bytes as counted: each input read once, each output written once;
+causal SDPA forward 4*B*H*S*S*D/2, backward 2.5x that); profile (--profile-settings trained with torch.profiler
+over --profile-steps after the timed steps: GPU kernel time per op class, and the step's wall time less it);
+settings (the other settings, planned against measured); expandable (none, full and 0.5 again in a fresh process
+with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, planned with plan.expandable_segments=true); fsdp_expandable
 (FSDP2 over a 1-rank process group, whose all-gather copy-in and reduce-scatter streams allocate as on 8 GPUs, once
 under each allocator in a fresh process: planned against measured, the allocator's peaks and segments per pool and
 per stream, and the allocator model replayed on the GPU's own allocation trace, which isolates the allocator model
-from the program's; see fsdp_one_rank). Sections (and settings) not begun within --budget-s are skipped. Results go to <--out, default $OUT>/gpu_check.json, .md and
-.log after each setting; the markdown tables are printed last. On the CPU every section runs at tiny shapes.
+from the program's; see fsdp_one_rank). Sections (and settings) not begun within --budget-s are skipped. Results go
+to <--out, default $OUT>/gpu_check.json, .md and .log after each setting; the markdown tables are printed last. On
+the CPU every section runs at tiny shapes.
 
 It runs from the source tree on torch 2.11 or newer without Hydra, OmegaConf or W&B: the config is the schema's
 dataclasses, the model's sizes read from conf/model/<name>.yaml. Per-block budgets ("0.3*8+0.6*24") need torch
@@ -93,6 +94,7 @@ from membudget.step import Numerics, build_model, build_optimizer, forward_backw
 
 SETTINGS = ("none", "full", "selective", "0.0", "0.5", "1.0")
 COMPILED = "@compile"  # a setting's suffix: its blocks compiled (memory budgets are compiled anyway)
+SECTIONS = ("env", "micro", "profile", "settings", "expandable", "fsdp_expandable", "offload")
 
 
 def model_preset(name: str) -> dict:
@@ -972,7 +974,8 @@ def fsdp_md(results: list[dict], error: str = "") -> str:
         mine = "expandable" if r["allocator"].startswith("expandable") else "default"
         streams = ", ".join(f"{k} {fmt_bytes(v['bytes'])} in {v['segments']}" for k, v in
                             sorted((rec.get("streams") or {}).items()))
-        lines.append(f"| {r['allocator']} | {r.get('setting', '')} | {_cell(p['max_allocated'], m['max_allocated'], fmt_bytes)} | "
+        lines.append(f"| {r['allocator']} | {r.get('setting', '')} | "
+                     f"{_cell(p['max_allocated'], m['max_allocated'], fmt_bytes)} | "
                      f"{_cell(p['reserved'], m['max_reserved'], fmt_bytes)} | "
                      f"{_cell(replay.get(mine + '_reserved'), m['max_reserved'], fmt_bytes)} | "
                      f"{stats.get('segment.large_pool.peak')} / {stats.get('segment.small_pool.peak')} | {streams} |")
@@ -1101,11 +1104,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="wall-clock seconds after which the sections (and settings) not begun are skipped")
     parser.add_argument("--sections", default="env,micro,profile,settings,expandable",
-                        help="run in this order: env (nvidia-smi), micro (ceilings and kernels at 8B's shapes), profile (kernel table "
-                             "of real steps), settings (planned vs measured), expandable (expandable segments), "
-                             "fsdp_expandable (FSDP2 over one rank under each allocator; not in the default), offload (the host "
-                             "link, offloading's settings planned vs measured and its copies checked; not in the "
-                             "default)")
+                        help="run in this order: env (nvidia-smi), micro (ceilings and kernels at 8B's shapes), "
+                             "profile (kernel table of real steps), settings (planned vs measured), expandable "
+                             "(expandable segments), fsdp_expandable (FSDP2 over one rank under each allocator; not "
+                             "in the default), offload (the host link, offloading's settings planned vs measured and "
+                             "its copies checked; not in the default)")
     parser.add_argument("--profile-settings", default="none,0.5", help="settings profiled (they count as measured)")
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--expandable-settings", default="none,full,0.5")
@@ -1115,6 +1118,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the expandable subprocess's JSON
     parser.add_argument("--fsdp-child", default=None, help=argparse.SUPPRESS)  # fsdp_expandable's subprocess
     a = parser.parse_args(argv)
+    wanted = a.sections.split(",")
+    unknown = [n for n in wanted if n not in SECTIONS]
+    if unknown:  # before --out is touched: a typo loses no earlier results
+        parser.error(f"--sections={a.sections}: no section {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     start = time.perf_counter()
     gpu = a.device == "cuda"
     model = a.model or ("llama3_8b" if gpu else "llama3_debug")
@@ -1134,7 +1141,6 @@ def main(argv=None) -> dict:
     (OUT / "gpu_check.log").write_text("")
     report = Report(OUT)
     device = torch.device(a.device)
-    wanted = a.sections.split(",")
     profiled: list[Row] = []
     settings_rows: list[Row] = []
     log(f"gpu_check: {model}{f' with {layers} blocks' if layers else ''}, seq {seq}, batch {batch}, "
@@ -1235,13 +1241,8 @@ def main(argv=None) -> dict:
         check(a.offload_settings.split(","), deadline=start + a.budget_s,
               after=lambda done: (rows.clear(), rows.extend(done), write()), **common)
 
-    sections = [("env", env), ("micro", micro_all), ("profile", profile_all), ("settings", settings_all),
-                ("expandable", expandable), ("fsdp_expandable", fsdp_expandable), ("offload", offload)]
-    known = dict(sections)
-    unknown = [n for n in wanted if n not in known]
-    if unknown:
-        parser.error(f"--sections={a.sections}: no section {', '.join(unknown)}; choose from {', '.join(known)}")
-    run_sections([(n, known[n]) for n in wanted], report, a.budget_s, start)  # in the order asked for
+    sections = dict(zip(SECTIONS, (env, micro_all, profile_all, settings_all, expandable, fsdp_expandable, offload)))
+    run_sections([(n, sections[n]) for n in wanted], report, a.budget_s, start)  # in the order asked for
     report.data["elapsed_s"] = time.perf_counter() - start
     report.write()
     log()

@@ -131,7 +131,8 @@ def pytest_collection_finish(session):
     garbage: torch, Hydra, the test modules) and its youngest generation is collected rarely, as the planner's
     CLI does (membudget/collector.py). The planner's fake-tensor runs and torch.compile allocate millions of
     short-lived objects, and with the defaults the collector took 12 % of a planning test's CPU
-    (tests/test_plan_cli.py, measured with gc.callbacks). Reference counting still frees everything that is not in a cycle at once."""
+    (tests/test_plan_cli.py, measured with gc.callbacks). Reference counting still frees everything that is not
+    in a cycle at once."""
     gc.freeze()
     collect_rarely()
 

@@ -109,9 +109,11 @@ def test_sections_run_in_the_order_asked_and_an_unknown_one_is_refused(tmp_path,
     check = gpu_check()
     data = check.main(["--device", "cpu", "--sections", "micro,env", "--out", str(tmp_path), "--budget-s", "0"])
     assert list(data["sections"]) == ["micro", "env"]  # skipped (no budget), but in this order
+    log = (tmp_path / "gpu_check.log").read_text()
     with pytest.raises(SystemExit):
         check.main(["--device", "cpu", "--sections", "env,kernels", "--out", str(tmp_path)])
     assert "--sections=env,kernels: no section kernels; choose from env, micro" in capsys.readouterr().err
+    assert log and (tmp_path / "gpu_check.log").read_text() == log  # the earlier results are kept
 
 
 def test_a_failing_section_is_recorded_and_the_rest_still_run_and_write_json(tmp_path):

@@ -1,7 +1,6 @@
 from membudget.collector import collect_rarely
 
-collect_rarely()  # before torch loads: planning on fake tensors allocates millions of short-lived objects
+from .cli import main
 
-from .cli import main  # noqa: E402
-
+collect_rarely()  # planning on fake tensors allocates millions of short-lived objects (torch is already loaded)
 main()
