@@ -8,8 +8,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
+import torch
 
 from membudget.plan import plan_setting
 from tests.conftest import FAST_COMPILE, ROOT, compose_cfg
@@ -42,3 +44,40 @@ def test_plans_match_real_two_rank_steps():
         assert plan.activations == measured["activations"], name
         for step, peak in zip((1, 2), measured["peaks"]):
             assert plan.per_step[step].nbytes == pytest.approx(peak, abs=1024), (name, step)
+
+
+@pytest.mark.parametrize("free_on_thread, before_peak, exact", [
+    (False, False, True),  # freed by the main thread, late: the peak is program order's (a real miss)
+    (True, True, True),  # freed on another thread before the next allocation: no harm
+    (True, False, False),  # freed on another thread after the next allocation: the peak may be too high
+])
+def test_the_real_step_tracker_knows_when_a_late_free_on_another_thread_may_raise_the_peak(
+        free_on_thread, before_peak, exact):
+    """What gloo's worker threads do to a real step, in one process: a Work's last reference to a storage that the
+    main thread has finished with, dropped on another thread. Only a free off the main thread that lands after a
+    later allocation makes `peak_is_exact` false, and then it does."""
+    from tests.plan_real_step import CompiledMemTracker
+
+    tracker = CompiledMemTracker()
+    with tracker:
+        held = [torch.ones(1000)]
+        held[0] * 2  # its last use
+        free = threading.Thread(target=held.clear) if free_on_thread else None
+
+        def drop():
+            if free is not None:
+                free.start()
+                free.join()
+            else:
+                held.clear()
+
+        if before_peak:
+            drop()
+        later = torch.ones(2000)  # the step's peak while the first still stands
+        if not before_peak:
+            drop()
+        del later
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    # the first with its double (8,000 bytes), or the first with the later one (12,000)
+    assert peak == (8000 if before_peak else 12000)
+    assert tracker.peak_is_exact() is exact
