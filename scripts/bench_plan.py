@@ -33,6 +33,7 @@ from membudget.plan.result import limit_for  # noqa: E402
 from membudget.plan.report import blocks_markdown  # noqa: E402
 from membudget.devices import GPUS  # noqa: E402
 from membudget.plan.evidence import error, plan_row, ranked_pairs, rows, speed_summary  # noqa: E402
+from membudget.collector import collect_rarely  # noqa: E402
 from membudget.launch import register_configs  # noqa: E402
 from membudget.units import GiB, fmt_bytes  # noqa: E402
 
@@ -170,6 +171,7 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     torch.set_num_threads(2)
+    collect_rarely()  # as the planner's CLI plans
     register_configs()
     args = sys.argv[1:]
     if "--evidence" in args:
