@@ -8,8 +8,10 @@ whatever is not in a cycle.
 
 Training processes keep Python's thresholds: with rare collection, the cycles of a finished run (its model,
 mesh and process groups) would outlive it until the interpreter exits, after atexit destroyed the process group.
-While train.py collected rarely, one torchrun rank of five suite runs aborted at exit (docs/measured.md); that
-it was the cause is not shown, and training was left as it was."""
+While train.py collected rarely, one torchrun rank of five suite runs aborted at exit (docs/measured.md). The
+abort's mechanism was found later, with the collector at its defaults (gloo's worker asking for the GIL while
+the interpreter finalizes; launch._leave_process_group now waits for it); rare collection in training has not
+been tried again since."""
 
 from __future__ import annotations
 

@@ -299,3 +299,48 @@ def mem_tracker_class() -> type:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     return MemTracker
+
+
+GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the name torch's ProcessGroupGloo gives its worker threads
+
+
+def gloo_worker_threads() -> list[str]:
+    """The Linux thread ids of gloo's worker threads in this process (none elsewhere than Linux)."""
+    import os
+
+    tasks = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == GLOO_WORKER_THREAD:
+                    tasks.append(tid)
+    return tasks
+
+
+def wait_for_idle_gloo_workers(timeout_s: float = 2.0, poll_s: float = 0.01) -> bool:
+    """Wait, with the GIL released, until each of gloo's worker threads in this process sleeps (Linux: its state
+    in /proc) at two polls in a row; False if one still ran at `timeout_s`. Stands in for a gloo shutdown that
+    joins its workers, which torch has not (destroy_process_group leaves a group that is still referenced running).
+
+    Why: a worker drops a collective's Work after the main thread's wait has returned. Where the Work holds the
+    last reference to a tensor whose Python object is kept for it, the drop needs the GIL, and a thread that asks
+    for it while the interpreter finalizes is ended inside C++: the process aborts ("terminate called without an
+    active exception", SIGABRT) after its work is done (pytorch/pytorch#179291)."""
+    import time
+
+    def all_asleep(tasks: list[str]) -> bool:
+        for tid in tasks:
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("S", "D", "Z"):
+                    return False
+        return True
+
+    tasks = gloo_worker_threads()
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while tasks and quiet < 2:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)  # the GIL is free: a worker waiting for it takes it and finishes
+        quiet = quiet + 1 if all_asleep(tasks) else 0
+    return True

@@ -239,7 +239,7 @@ def init_distributed(launch: Launch, device, timeout_s: float = 600) -> None:
            f"{launch.world_size} could not join the process group at {where} within {timeout_s + JOIN_SLACK_S:g} s "
            "(nothing answered there); check that MASTER_ADDR:MASTER_PORT is rank 0's host and a free port, and "
            f"that all {launch.world_size} processes were launched")
-        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())  # before interpreter exit
+        atexit.register(_leave_process_group)
         Heartbeat.start(launch)
     except (RuntimeError, ValueError) as e:  # DistStoreError, DistNetworkError are RuntimeErrors
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -249,6 +249,19 @@ def init_distributed(launch: Launch, device, timeout_s: float = 600) -> None:
 
 
 JOIN_SLACK_S = 5  # past parallelism.timeout_s: torch's own timeout, when it works, speaks first
+
+
+def _leave_process_group() -> None:
+    """At exit, before the interpreter finalizes: destroy the process group, then let gloo's workers release
+    what the last collectives held (else the process can abort after its work is done; see
+    internals.wait_for_idle_gloo_workers)."""
+    import torch.distributed as dist
+
+    from membudget.internals import wait_for_idle_gloo_workers
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    wait_for_idle_gloo_workers()
 
 
 def within_deadline(fn, seconds: float, message: str):
