@@ -13,13 +13,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from membudget.collector import collect_rarely
 from membudget.console import log_error_once, one_line_hydra_errors, override_problem, quiet_log_file_errors
 from membudget.errors import Stopped, UserError
-from membudget.launch import launch_from_env
+from membudget.launch import launch_from_env, register_configs
 from membudget.rules import validate
-from membudget.launch import register_configs
 from membudget.search import objective
 
+collect_rarely()  # importing torch, Dynamo and inductor builds millions of objects the default collector rescans
 register_configs()
 log = logging.getLogger("membudget")
 

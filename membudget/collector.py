@@ -1,17 +1,15 @@
-"""When Python's cyclic garbage collector runs: rarely where a process plans (the planner's CLI, the test
-workers), and at the same step on every rank while it trains.
+"""When Python's cyclic garbage collector runs: rarely in this project's processes (train.py, the planner's CLI,
+the test workers), and at the same step on every rank while a run trains.
 
-Planning on fake tensors and tracing with Dynamo allocate millions of short-lived objects that reference
-counting frees; with Python's default thresholds the collector walks the young generation every 700
-allocations and took 12 % of a planning test's CPU (docs/measured.md). Reference counting still frees at once
-whatever is not in a cycle.
+Importing torch, Dynamo and inductor, planning on fake tensors and tracing with Dynamo allocate millions of
+objects; with Python's default thresholds the collector walks the young generation every 700 allocations and
+rescans the whole heap each time it has grown by a quarter. That took 12 % of a planning test's CPU and 14 % of a
+compiled 3-step train.py's (docs/measured.md). Reference counting still frees at once whatever is not in a
+cycle: a finished run's model is freed when train() returns, before any collection.
 
-Training processes keep Python's thresholds: with rare collection, the cycles of a finished run (its model,
-mesh and process groups) would outlive it until the interpreter exits, after atexit destroyed the process group.
-While train.py collected rarely, one torchrun rank of five suite runs aborted at exit (docs/measured.md). The
-abort's mechanism was found later, with the collector at its defaults (gloo's worker asking for the GIL while
-the interpreter finalizes; launch._leave_process_group now waits for it); rare collection in training has not
-been tried again since."""
+A process group that outlives the interpreter's atexit (something in torch holds it) once made rare collection
+in train.py look like the cause of an abort at exit; the abort came from gloo's worker threads asking for the
+GIL during finalization, and launch._leave_process_group now waits for them to go idle."""
 
 from __future__ import annotations
 
@@ -32,8 +30,8 @@ def collect_rarely() -> None:
 def scheduled_gc(every: Optional[int]) -> Iterator[Callable[[int, bool], None]]:
     """`collect(step, first)` for the end of each step: with `every`, Python's automatic cyclic collection is off
     and its young generations are collected after the first step (compilation's garbage) and every `every`
-    steps; None: Python's own schedule, nothing to do. The collector is switched back on afterwards (the next
-    job of a multirun, a test)."""
+    steps; None: the process's own thresholds (collect_rarely in train.py), nothing to do. The collector is
+    switched back on afterwards (the next job of a multirun, a test)."""
     if every is None:
         yield lambda step, first: None
         return

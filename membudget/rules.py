@@ -284,8 +284,8 @@ def check_train(cfg: Any, world_size: int) -> None:
     if not 0 <= t.seed <= _MAX_SEED:
         fail("train.seed", t.seed, "must be an integer in [0, 2**64)")
     if t.gc_every_steps is not None and t.gc_every_steps <= 0:
-        fail("train.gc_every_steps", t.gc_every_steps, "must be a positive number of steps, or null (Python's own "
-             "schedule)")
+        fail("train.gc_every_steps", t.gc_every_steps, "must be a positive number of steps, or null (the collector's "
+             "own thresholds)")
     if t.peak_flops is not None and not 0 < t.peak_flops < math.inf:
         fail("train.peak_flops", t.peak_flops, "must be a positive number of FLOP/s per device, or null")
 

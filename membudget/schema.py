@@ -339,7 +339,8 @@ class TrainConfig:
     gc_every_steps: Optional[int] = 50
     """Python's cyclic garbage collector (its young generations) runs after the first step and every N steps, at
     the same step on every rank, instead of whenever allocations trigger it: a collection that pauses one rank
-    stalls the others at the next collective (torchtitan's training.gc_freq, default 50); null: Python's own."""
+    stalls the others at the next collective (torchtitan's training.gc_freq, default 50); null: whenever allocations
+    trigger it, at train.py's thresholds (membudget/collector.py)."""
 
 
 @dataclass

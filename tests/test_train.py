@@ -89,7 +89,7 @@ def test_readme_command_runs_as_typed_with_inductor(tmp_path):
 @pytest.mark.parametrize("every", [2, None])
 def test_the_garbage_collector_runs_on_the_step_schedule_and_is_back_on_afterwards(tmp_path, every):
     """train.gc_every_steps=2 over 5 steps: Python's automatic collection is off through the steps, and the young
-    generations are collected after step 1 (compilation's garbage), 2 and 4; null: Python's own schedule. The
+    generations are collected after step 1 (compilation's garbage), 2 and 4; null: the collector's own thresholds. The
     collector is on again after the run (gc.callbacks sees every collection and whether it was automatic)."""
     seen = []  # (generation, automatic collection possible) of every collection
 
