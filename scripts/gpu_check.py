@@ -83,6 +83,7 @@ def gqa_flop_formulas() -> bool:
 GQA_PATCHED = gqa_flop_formulas()
 
 from membudget.ac import compiler_scope  # noqa: E402
+from membudget.collector import collect_rarely  # noqa: E402
 from membudget.metrics import ActivationCounter  # noqa: E402
 from membudget.parallel import clip_grad_norm  # noqa: E402
 from membudget.plan import Planner, plan_setting  # noqa: E402
@@ -1316,4 +1317,5 @@ def expandable_md(rows: list[dict], error: str) -> str:
 
 
 if __name__ == "__main__":
+    collect_rarely()  # as train.py's processes collect
     main()

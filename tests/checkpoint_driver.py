@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from membudget.ac import compiler_scope
 from membudget.checkpoint import Checkpointer
+from membudget.collector import collect_rarely
 from membudget.data import TokenBatches, build_tokenizer
 from membudget.launch import init_distributed, launch_from_env
 from membudget.metrics import ActivationCounter
@@ -114,4 +115,5 @@ def main(out_dir: Path, *overrides: str) -> None:
 
 
 if __name__ == "__main__":
+    collect_rarely()  # as train.py's processes collect
     main(Path(sys.argv[1]), *sys.argv[2:])

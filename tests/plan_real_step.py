@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from membudget.ac import compiler_scope
+from membudget.collector import collect_rarely
 from membudget.internals import mem_tracker_class, tree_leaves
 from membudget.metrics import ActivationCounter
 from membudget.parallel import dp_coordinates
@@ -148,4 +149,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    collect_rarely()  # as train.py's processes collect
     main()
