@@ -5,7 +5,8 @@ Importing torch, Dynamo and inductor, planning on fake tensors and tracing with 
 objects; with Python's default thresholds the collector walks the young generation every 700 allocations and
 rescans the whole heap each time it has grown by a quarter. That took 12 % of a planning test's CPU and 14 % of a
 compiled 3-step train.py's (docs/measured.md). Reference counting still frees at once whatever is not in a
-cycle: a finished run's model is freed when train() returns, before any collection.
+cycle: a finished run's model (measured single-process, FSDP and DDP on one rank, compiled under a budget) is
+freed when train() returns, before any collection.
 
 A process group that outlives the interpreter's atexit (something in torch holds it) once made rare collection
 in train.py look like the cause of an abort at exit; the abort came from gloo's worker threads asking for the
