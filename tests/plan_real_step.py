@@ -21,6 +21,8 @@ from membudget.parallel import dp_coordinates
 from membudget.step import Numerics, StepShape, build_model, build_optimizer
 from membudget.trainer import train_step
 
+CPU = torch.device("cpu")  # the device of every step here (built once: the tracker reads it per op)
+
 
 class CompiledMemTracker(mem_tracker_class()):
     """torch's MemTracker, kept on while compiled graphs run (aot_eager graphs run op by op), over every
@@ -53,7 +55,7 @@ class CompiledMemTracker(mem_tracker_class()):
 
     def _update_peak_stats(self, peak_state) -> None:
         super()._update_peak_stats(peak_state)
-        self.totals.append(self._curr_mem_snap[torch.device("cpu")]["Total"])
+        self.totals.append(self._curr_mem_snap[CPU]["Total"])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
@@ -106,13 +108,12 @@ def _two_steps(cfg, mesh) -> tuple[dict, bool]:
     tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.train.seq_len + 1))
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # as the trainer's batches
     peaks, exact = [], True
-    device = torch.device("cpu")
-    numerics = Numerics.for_target(cfg, device.type, (0, 0))
+    numerics = Numerics.for_target(cfg, CPU.type, (0, 0))
     with compiler_scope(cfg.ac, None, cfg.model.n_layers):  # as the trainer enters it
-        model = build_model(cfg, device, mesh, numerics)
+        model = build_model(cfg, CPU, mesh, numerics)
         optimizer, _ = build_optimizer(model, cfg)
         # what the trainer's train_step reads of its Run: this batch every step
-        run = SimpleNamespace(cfg=cfg, device=device, mesh=mesh, numerics=numerics, model=model,
+        run = SimpleNamespace(cfg=cfg, device=CPU, mesh=mesh, numerics=numerics, model=model,
                               shape=StepShape.from_config(cfg, dist.get_world_size() if dist.is_initialized() else 1),
                               batches=itertools.repeat((inputs, labels)), counter=ActivationCounter(model))
         for _ in range(2):
@@ -123,7 +124,7 @@ def _two_steps(cfg, mesh) -> tuple[dict, bool]:
                 gradients = sum(p.grad.nbytes for p in model.parameters())
                 optimizer.step()  # then AdamW, as the trainer's apply_step on a finite step
                 optimizer.zero_grad(set_to_none=True)
-            peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - inputs.nbytes - labels.nbytes)
+            peaks.append(tracker.get_tracker_snapshot("peak")[CPU]["Total"] - inputs.nbytes - labels.nbytes)
             exact = exact and tracker.peak_is_exact()
     return {
         "activations": activations,
@@ -140,10 +141,10 @@ def main() -> None:
     from tests.conftest import compose_cfg
 
     launch = launch_from_env()
-    init_distributed(launch, torch.device("cpu"))
+    init_distributed(launch, CPU)
     for overrides in sys.argv[1:]:
         cfg = compose_cfg(*overrides.split())
-        real = real_steps(cfg, build_mesh(cfg.parallelism, launch, torch.device("cpu")))
+        real = real_steps(cfg, build_mesh(cfg.parallelism, launch, CPU))
         if launch.rank == 0:
             print(json.dumps({"overrides": overrides, **real}), flush=True)
 
