@@ -84,14 +84,19 @@ def hydra_main_here(main, argv: list[str]) -> None:
         root.handlers[:], root.level = handlers, level
 
 
-def multirun_here(sweep: Path, *overrides: str) -> None:
-    """`python train.py -m hydra.sweep.dir=<sweep> <overrides>` run in this process (Hydra's basic launcher runs
-    the jobs in its own process anyway)."""
+def train_py_here(*args: str) -> None:
+    """`python train.py <args>` run in this process, through train.py's Hydra entry point (its validation, run
+    dir and logger): a failed run raises (SystemExit, or the sweep's error)."""
     import train
 
     # imported, not run as a script, train.py's relative config_path would name a module: give the dir
-    hydra_main_here(train.main, ["train.py", "--config-path", str(ROOT / "conf"), "-m", f"hydra.sweep.dir={sweep}",
-                                 *overrides])
+    hydra_main_here(train.main, ["train.py", "--config-path", str(ROOT / "conf"), *args])
+
+
+def multirun_here(sweep: Path, *overrides: str) -> None:
+    """`python train.py -m hydra.sweep.dir=<sweep> <overrides>` run in this process (Hydra's basic launcher runs
+    the jobs in its own process anyway)."""
+    train_py_here("-m", f"hydra.sweep.dir={sweep}", *overrides)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
