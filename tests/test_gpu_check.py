@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from membudget.units import MiB
 from tests.conftest import ROOT
 
 
@@ -155,8 +156,6 @@ def test_the_microbenchmarks_and_a_profiled_step_run_on_the_cpu(tmp_path, monkey
 
 
 # --- fsdp_expandable: FSDP2 over one rank, under each allocator ---------------------------------------------------
-
-MiB = 2**20
 
 
 @pytest.mark.slow

@@ -17,10 +17,10 @@ from membudget.plan.blocks import compatible, cost, fits, per_target, targets_be
 from membudget.plan.timing import step_time
 from membudget.rules import validate
 from membudget.schema import BlockPolicy, ac_label, block_policies, compact_policies, parse_block_policies
+from membudget.units import GiB
 from tests.checkpoint_driver import SMALL, Run, scope
 from tests.conftest import FAST_COMPILE, compose_cfg, read_metrics, read_summary, train_here
 
-GiB = 2**30
 RUN = ["logger=none", "train.device=cpu", "train.seq_len=128", "train.global_batch_size=4", "train.steps=2",
        "train.progress=lines", "data.prefetch=0", "checkpoint.enabled=false"]
 MIXED = "full+offload:selective+selective+offload"

@@ -8,8 +8,7 @@ import random
 import pytest
 
 from membudget.plan.allocator import CachingAllocator
-
-MiB = 2**20
+from membudget.units import MiB
 
 
 def check(a: CachingAllocator) -> None:

@@ -9,12 +9,12 @@ import pytest
 
 from membudget.plan import Planner, choose_setting
 from membudget.plan.blocks import assign, best_single, block_bytes, cost, targets_between
-from membudget.plan.result import UNCERTAINTY, BlockCost
+from membudget.plan.result import BlockCost, limit_for, usable
 from membudget.schema import compact_policies, parse_block_budgets
+from membudget.units import GiB
 from tests.conftest import FAST_COMPILE, compose_cfg, read_metrics, train_here
 from tests.test_plan_model import plan
 
-GiB = 2**30
 # The debug model with activations that outweigh its parameters and optimizer states (else no AC setting moves
 # the peak): four blocks, sequences of 256, eight of them
 LARGE = ["logger=none", "train.device=cpu", FAST_COMPILE, "train.seq_len=256", "train.global_batch_size=8"]
@@ -46,26 +46,26 @@ def test_assign_is_the_knapsacks_optimum_and_puts_what_keeps_least_at_the_bottom
                _budget(0.4, kept=1 * GiB, seconds=1.2, peak=40 * GiB),
                _uniform("offload", kept=GiB // 8, seconds=1.3, peak=36 * GiB)]
     for target_gib in (38, 42, 45, 50, 55, 58, 64):
-        target = int(target_gib * GiB / (1 - UNCERTAINTY))
+        target = int(limit_for(target_gib * GiB))
         mix = assign(options, n, target)
         feasible = [a for a in itertools.product(range(len(options)), repeat=n)
-                    if _estimate(options, a, n)[1] <= target * (1 - UNCERTAINTY)]
+                    if _estimate(options, a, n)[1] <= usable(target)]
         best = min(_estimate(options, a, n)[0] for a in feasible)
         assert mix.cost == pytest.approx(best, rel=1e-9), target_gib
-        assert mix.judged_bytes <= target * (1 - UNCERTAINTY)
+        assert mix.judged_bytes <= usable(target)
         kept = [block_bytes(next(o for o in options if o.policies.startswith(str(p)))) for p in mix.policies]
         assert kept == sorted(kept)
     assert assign(options, n, int(30 * GiB)) is None  # nothing fits
     # a mix of three policies where two cannot reach it
-    mix = assign(options, n, int(45 * GiB / (1 - UNCERTAINTY)))
+    mix = assign(options, n, int(limit_for(45 * GiB)))
     assert mix.spelling == compact_policies(list(mix.policies)) and len(mix.policies) == n
 
 
 def test_targets_fall_between_the_plateaus_of_single_budgets():
     plans = [_budget(b, kept=GiB, seconds=1.0, peak=p * GiB) for b, p in ((0.3, 40), (0.5, 50), (0.6, 50), (0.9, 60))]
     targets = targets_between(plans, limit=80 * GiB)
-    assert targets == [int(55 * GiB / (1 - UNCERTAINTY)), int(45 * GiB / (1 - UNCERTAINTY))]
-    assert targets_between(plans, limit=50 * GiB) == [int(45 * GiB / (1 - UNCERTAINTY))]
+    assert targets == [int(limit_for(55 * GiB)), int(limit_for(45 * GiB))]
+    assert targets_between(plans, limit=50 * GiB) == [int(limit_for(45 * GiB))]
     assert best_single(plans, targets[1]).memory_budget == 0.3
 
 
@@ -76,7 +76,7 @@ def chosen():
     cfg = compose_cfg(*LARGE, "ac=memory_budget", "ac.memory_budget=0.5")
     with Planner(cfg) as planner:
         low, high = (planner.plan(planner.point("memory_budget", b)) for b in (0.5, 0.6))
-    target_gib = (low.judged_bytes + high.judged_bytes) / 2 / (1 - UNCERTAINTY) / GiB
+    target_gib = limit_for((low.judged_bytes + high.judged_bytes) / 2) / GiB
     budget, plan_ = choose_setting(compose_cfg(*LARGE, "ac=memory_budget", "ac.memory_budget=auto",
                                               f"ac.target_memory_gib={target_gib}"))
     return budget, plan_, low, high, target_gib
@@ -87,9 +87,9 @@ def test_auto_chooses_a_per_block_plan_that_beats_every_single_budget(chosen):
     budget, plan_, low, high, target_gib = chosen
     assert isinstance(budget, str) and plan_.memory_budget == budget and plan_.label == f"memory_budget {budget}"
     assert set(parse_block_budgets(budget)) == {0.5, 0.6}  # between the two plateaus it spends the gap
-    assert plan_.fits and plan_.judged_bytes <= target_gib * GiB * (1 - UNCERTAINTY) < high.judged_bytes
+    assert plan_.fits and plan_.judged_bytes <= usable(target_gib * GiB) < high.judged_bytes
     # on a CPU without a time model: fewer recompute FLOPs than 0.5, the best single budget that fits
-    assert low.judged_bytes <= target_gib * GiB * (1 - UNCERTAINTY)  # 0.5 fits the target, 0.6 does not
+    assert low.judged_bytes <= usable(target_gib * GiB)  # 0.5 fits the target, 0.6 does not
     assert low.recompute_flops > plan_.recompute_flops > high.recompute_flops
     assert low.activations < plan_.activations < high.activations
 
@@ -128,7 +128,7 @@ def test_the_sweep_table_says_by_how_much_a_per_block_plan_beats_the_best_single
     full = dataclasses.replace(plan("full", None, reserved=30 * GiB, seconds=2.5), judged_bytes=30 * GiB)
     mixed = dataclasses.replace(_budget(0.5, kept=2 * GiB, seconds=1.6, peak=45 * GiB),
                                 policies="budget:0.4*2+budget:0.6*2")
-    target = int(47 * GiB / (1 - UNCERTAINTY))
+    target = int(limit_for(47 * GiB))
     text = blocks_markdown([TargetChoice(target, single, mixed)], [full, single, higher])
     row = text.splitlines()[-1]
     assert row.startswith("| 49.5 GiB |") and "budget:0.4*2+budget:0.6*2" in row and row.endswith("| +25.0% | +56.2% |")

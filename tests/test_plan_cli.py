@@ -8,10 +8,10 @@ import pytest
 from membudget.errors import UserError
 from membudget.plan import SWEEP_BUDGETS, choose, choose_or_explain, plan_setting
 from membudget.rules import validate
+from membudget.units import GiB
 from tests.conftest import FAST_COMPILE, compose_cfg, hydra_main_here
 from tests.test_plan_model import plan
 
-GiB = 2**30
 SMALL = ["logger=none", "train.device=cpu", FAST_COMPILE, "train.seq_len=64", "train.global_batch_size=2",
          "model.n_layers=2"]
 

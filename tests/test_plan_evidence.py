@@ -9,9 +9,9 @@ import pytest
 
 from membudget.plan.evidence import error, plan_rows, ranked_pairs, rows, speed_summary, timed
 from membudget.plan.result import DOES_NOT_FIT, FITS, UNCERTAINTY
+from membudget.units import GiB
 from tests.conftest import compose_cfg
 
-GiB = 2**30
 
 
 def checked(row) -> bool:

@@ -14,12 +14,10 @@ from membudget.plan.measure import probe_depth
 from membudget.plan.replay import Layout, Moment
 from membudget.plan.report import non_monotonic, plan_markdown, sweep_markdown
 from membudget.plan.result import DOES_NOT_FIT, FITS, TIGHT, Plan, Setting
-from membudget.units import fmt_bytes
+from membudget.units import GiB, KiB, MiB, fmt_bytes
 from membudget.plan.timing import StepTime, step_time
 from membudget.plan.trace import Collective, Op
 from membudget.schema import PlanConfig
-
-KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 
 # --- the caching allocator ---------------------------------------------------------------------------------

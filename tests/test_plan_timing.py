@@ -21,6 +21,7 @@ from membudget.plan.timing import (
     op_seconds,
 )
 from membudget.plan.trace import ATTENTION, GEMM, MEMORY, VIEW, Collective, Op
+from membudget.units import GiB, MiB
 
 H100 = GPUS["H100"]
 DEGREES = {"dp_replicate": 1, "dp_shard": 8, "tp": 1}
@@ -59,7 +60,7 @@ def test_attention_efficiency_grows_with_the_sequence_and_backward_is_slower():
 def test_memory_bound_ops_have_a_floor_and_scale_with_bytes_at_the_achieved_bandwidth():
     e = H100.efficiency
     assert memory_seconds(1, H100) == e.kernel_floor
-    big = 10 * 2**30
+    big = 10 * GiB
     assert memory_seconds(big, H100) == pytest.approx(big / (H100.hbm_bandwidth * e.memory))
     assert memory_seconds(2 * big, H100) == pytest.approx(2 * memory_seconds(big, H100))
     gemm = Op("aten.mm", 2 * 8192 * 4096 * 4096, 3 * 8192 * 4096 * 2, True, kind=GEMM, shape=(1, 8192, 4096, 4096))
@@ -72,44 +73,42 @@ def _graph():
     """A compiled graph: norm (pow, mean, rsqrt, mul), a GEMM, SiLU on it, a second GEMM on the norm's output
     independent of the SiLU, the product of both, the graph returning the product and saving the norm's output.
     Allocations: 1 input, 2..5 the norm's, 6 GEMM1, 7 SiLU, 8 GEMM2, 9 product; weights -1, -2."""
-    mb = 2**20
-    ops = [Op("aten.pow", 0, 2 * mb, False, region=1, reads=((1, mb),), writes=((2, mb),)),
-           Op("aten.mean", 0, mb, False, region=1, reads=((2, mb),), writes=((3, 1024),)),
+    ops = [Op("aten.pow", 0, 2 * MiB, False, region=1, reads=((1, MiB),), writes=((2, MiB),)),
+           Op("aten.mean", 0, MiB, False, region=1, reads=((2, MiB),), writes=((3, 1024),)),
            Op("aten.rsqrt", 0, 2048, False, region=1, reads=((3, 1024),), writes=((4, 1024),)),
-           Op("aten.mul", 0, 3 * mb, False, region=1, reads=((1, mb), (4, 1024)), writes=((5, mb),)),
-           Op("aten.mm", 1, 1, True, kind=GEMM, shape=(1, 1, 1, 1), region=1, reads=((5, mb), (-1, mb)),
-              writes=((6, mb),)),
-           Op("aten.silu", 0, 2 * mb, False, region=1, reads=((6, mb),), writes=((7, mb),)),
-           Op("aten.mm", 1, 1, True, kind=GEMM, shape=(1, 1, 1, 1), region=1, reads=((5, mb), (-2, mb)),
-              writes=((8, mb),)),
-           Op("aten.mul", 0, 3 * mb, False, region=1, reads=((7, mb), (8, mb)), writes=((9, mb),)),
-           Op("graph outputs", 0, 0, False, kind=VIEW, region=1, reads=((9, mb), (5, mb)))]
-    return ops, mb
+           Op("aten.mul", 0, 3 * MiB, False, region=1, reads=((1, MiB), (4, 1024)), writes=((5, MiB),)),
+           Op("aten.mm", 1, 1, True, kind=GEMM, shape=(1, 1, 1, 1), region=1, reads=((5, MiB), (-1, MiB)),
+              writes=((6, MiB),)),
+           Op("aten.silu", 0, 2 * MiB, False, region=1, reads=((6, MiB),), writes=((7, MiB),)),
+           Op("aten.mm", 1, 1, True, kind=GEMM, shape=(1, 1, 1, 1), region=1, reads=((5, MiB), (-2, MiB)),
+              writes=((8, MiB),)),
+           Op("aten.mul", 0, 3 * MiB, False, region=1, reads=((7, MiB), (8, MiB)), writes=((9, MiB),)),
+           Op("graph outputs", 0, 0, False, kind=VIEW, region=1, reads=((9, MiB), (5, MiB)))]
+    return ops, MiB
 
 
 def test_fusion_groups_by_dependency_and_charges_only_what_crosses_the_kernel():
-    ops, mb = _graph()
+    ops, MiB = _graph()
     kernels = fused_kernels(ops)
     names = [[op.name for op in k] for k in kernels]
     # the SiLU joins the product across the second GEMM, which does not depend on it
     assert names == [["aten.pow", "aten.mean", "aten.rsqrt", "aten.mul"], ["aten.mm"], ["aten.silu", "aten.mul"],
                      ["aten.mm"]]
     norm, _, silu_mul, _ = kernels
-    assert fused_bytes(norm, ops) == mb + mb  # reads the input once, writes its output (GEMMs and the graph read it)
-    assert fused_bytes(silu_mul, ops) == 3 * mb  # reads both GEMMs' outputs, writes the product
+    assert fused_bytes(norm, ops) == MiB + MiB  # reads the input once, writes its output (GEMMs and the graph read it)
+    assert fused_bytes(silu_mul, ops) == 3 * MiB  # reads both GEMMs' outputs, writes the product
     eager = sum(op.nbytes for op in ops if op.kind == MEMORY)
     c = cost(ops, H100, DEGREES)
-    assert c.kernels["fused"] == pytest.approx(memory_seconds(2 * mb, H100) + memory_seconds(3 * mb, H100))
-    assert c.kernels["memory"] == 0 and eager > 2 * (5 * mb)
+    assert c.kernels["fused"] == pytest.approx(memory_seconds(2 * MiB, H100) + memory_seconds(3 * MiB, H100))
+    assert c.kernels["memory"] == 0 and eager > 2 * (5 * MiB)
     assert c.host == pytest.approx(H100.efficiency.host_graph + 4 * H100.efficiency.host_kernel)
 
 
 def test_an_op_that_feeds_an_anchor_it_waits_for_is_not_fused_with_it():
-    mb = 2**20
-    ops = [Op("aten.neg", 0, 2 * mb, False, region=1, reads=((1, mb),), writes=((2, mb),)),
-           Op("aten.mm", 1, 1, True, kind=GEMM, shape=(1, 1, 1, 1), region=1, reads=((2, mb),), writes=((3, mb),)),
-           Op("aten.add", 0, 3 * mb, False, region=1, reads=((2, mb), (3, mb)), writes=((4, mb),)),
-           Op("graph outputs", 0, 0, False, kind=VIEW, region=1, reads=((4, mb),))]
+    ops = [Op("aten.neg", 0, 2 * MiB, False, region=1, reads=((1, MiB),), writes=((2, MiB),)),
+           Op("aten.mm", 1, 1, True, kind=GEMM, shape=(1, 1, 1, 1), region=1, reads=((2, MiB),), writes=((3, MiB),)),
+           Op("aten.add", 0, 3 * MiB, False, region=1, reads=((2, MiB), (3, MiB)), writes=((4, MiB),)),
+           Op("graph outputs", 0, 0, False, kind=VIEW, region=1, reads=((4, MiB),))]
     assert [[op.name for op in k] for k in fused_kernels(ops)] == [["aten.neg"], ["aten.mm"], ["aten.add"]]
 
 
@@ -157,7 +156,7 @@ def test_collectives_cost_a_latency_and_their_bytes_at_the_achieved_bus_bandwidt
     e = H100.efficiency
     small = Collective("all_gather", 8, 8, "dp_shard")
     assert collective_seconds(small, H100, DEGREES) == pytest.approx(e.nccl_latency, rel=1e-3)
-    big = Collective("all_gather", 8 * 2**30, 8, "dp_shard")
+    big = Collective("all_gather", 8 * GiB, 8, "dp_shard")
     expected = e.nccl_latency + 7 / 8 * big.nbytes / (H100.intra_node_bandwidth * e.nccl_bus_nvlink)
     assert collective_seconds(big, H100, DEGREES) == pytest.approx(expected)
     across = {"dp_replicate": 1, "dp_shard": 64, "tp": 1}  # 8 nodes: the network, not NVLink

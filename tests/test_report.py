@@ -22,13 +22,11 @@ from membudget import report
 from membudget.internals import basic_sweeper_jobs
 from membudget.report import plots
 from membudget.report.pareto import Ties, dominates, pareto_front, tied
-from membudget.units import fmt_bytes, fmt_time
+from membudget.units import MiB, fmt_bytes, fmt_time
 from membudget.launch import register_configs
 from membudget.schema import ac_label
 from tests.conftest import FAST_COMPILE, ROOT, multirun_here
 from tests.wandb_offline import find_offline_runs, read_offline_run, read_offline_runs, read_table
-
-MiB = 2**20
 
 
 def _write_job(sweep: Path, num: int, ac: dict, *, steps=6, loss_shift=0.0, step_time=0.1, act=100 * MiB,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from membudget import report, search
+from membudget.units import MiB
 from tests.conftest import multirun_here, read_summary
 from tests.test_search import EAGER
 
@@ -87,7 +88,7 @@ def test_a_job_the_planner_cannot_take_gets_empty_cells_and_a_note(tmp_path):
 
     sweep = tmp_path / "sweep"
     _write_job(sweep, 0, {"mode": "none"})
-    _write_job(sweep, 1, {"mode": "full"}, act=40 * 2**20)
+    _write_job(sweep, 1, {"mode": "full"}, act=40 * MiB)
     config = OmegaConf.load(sweep / "0" / ".hydra" / "config.yaml")
     config.model.n_heads = 3  # the debug model's dim 128 is not a multiple of it: the planner refuses
     OmegaConf.save(config, sweep / "0" / ".hydra" / "config.yaml")

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from membudget import search
-from membudget.search import GiB, BudgetSampler, BudgetSearch, trial_record, values_of
+from membudget.search import BudgetSampler, BudgetSearch, trial_record, values_of
+from membudget.units import GiB, MiB
 from tests.conftest import FAST_COMPILE, TINY, compose_cfg, multirun_here, read_summary, run_train
 
 optuna = pytest.importorskip("optuna", reason="the search extra: pip install -e '.[search]'")
@@ -27,14 +28,14 @@ EAGER = (*TINY, "checkpoint.enabled=false", "train.progress=off", "model.n_layer
 # --- what a trial reports -------------------------------------------------------------------------------------
 
 def test_a_trial_reports_step_time_and_memory_and_whether_it_fits():
-    summary = {"median_step_time_s": 0.02, "activation_bytes": 3 * 2**20, "peak_memory_bytes": 9 * 2**30,
+    summary = {"median_step_time_s": 0.02, "activation_bytes": 3 * MiB, "peak_memory_bytes": 9 * GiB,
                "final_loss": 5.0}
     cfg = compose_cfg("ac=memory_budget", "ac.memory_budget=0.25", "ac.target_memory_gib=0.0025")
     cpu = trial_record(cfg, summary, "cpu")
     # on CPU the memory is the run's activations (the process's RSS is not the run's), on a GPU its CUDA peak
-    assert cpu["memory_key"] == "activation_bytes" and cpu["memory_bytes"] == 3 * 2**20
+    assert cpu["memory_key"] == "activation_bytes" and cpu["memory_bytes"] == 3 * MiB
     assert cpu["setting"] == "memory_budget 0.25" and cpu["target_bytes"] == int(0.0025 * GiB) and not cpu["fits"]
-    assert values_of(cpu, 2) == [0.02, 3 * 2**20]
+    assert values_of(cpu, 2) == [0.02, 3 * MiB]
     assert values_of(cpu, 1) == math.inf  # does not fit: never the answer of the constrained search
     gpu = trial_record(compose_cfg("ac.target_memory_gib=10"), summary, "cuda")
     assert gpu["memory_key"] == "peak_memory_bytes" and gpu["fits"] and values_of(gpu, 1) == 0.02
