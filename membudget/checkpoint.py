@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from membudget.errors import UserError
 from membudget.schema import flat_keys
 from membudget.metrics import local_tensor
+from membudget.units import MiB
 
 log = logging.getLogger("membudget")
 
@@ -329,7 +330,7 @@ class Checkpointer:
         if isinstance(error, OSError) and error.strerror:
             why = error.strerror
         elif free is not None and free < 64 << 20:
-            why = f"No space left on device: {free / 2**20:.1f} MiB free"
+            why = f"No space left on device: {free / MiB:.1f} MiB free"
         elif error is not None:
             text = str(error).strip().splitlines()
             why = f"{type(error).__name__}: {text[0] if text else ''}"

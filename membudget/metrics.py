@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from membudget.devices import GPUS, by_cuda_name
 from membudget.internals import CheckpointWrapper, storage_key, tqdm_logging_handlers, tree_leaves, view_base
 from membudget.offload import find_offloader
-from membudget.units import GiB
+from membudget.units import GiB, MiB
 
 log = logging.getLogger("membudget")
 
@@ -358,7 +358,7 @@ class Progress:
         mem = (row["peak_memory_bytes"] or 0) / GiB
         log.info("step %d | loss %s | lr %.2e | %.0f tok/s | %.3f s/step | peak mem %.2f GiB | act %.1f MiB%s",
                  row["step"], _num(row["loss"], ".4f"), row["lr"], row["tokens_per_s"], row["step_time_s"], mem,
-                 row["activation_bytes"] / 2**20, " | SKIPPED (non-finite)" if row.get("skipped") else "",
+                 row["activation_bytes"] / MiB, " | SKIPPED (non-finite)" if row.get("skipped") else "",
                  extra={"step_line": True})
         if self.bar is not None:
             self.bar.set_postfix(loss=_num(row["loss"], ".4f"), tok_s=f"{row['tokens_per_s']:.0f}",

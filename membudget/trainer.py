@@ -518,7 +518,7 @@ def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnosti
         if first and compile_enabled(run.cfg):
             run.compile_s = time.perf_counter() - interval_start
             log.info("step %d with compilation took %.1f s; saved activations per block: %s", step, run.compile_s,
-                     ", ".join(f"{b / 2**20:.2f} MiB" for b in result.per_block))
+                     ", ".join(f"{b / MiB:.2f} MiB" for b in result.per_block))
         if step % t.log_every == 0 or step == t.steps or stop_now or result.skipped:
             _sync(run.device)
             _at("the all-reduce of the metrics", step)
@@ -602,7 +602,7 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
                 run = setup(cfg, Path(run_dir), wandb_group, stack)
                 log.info("model %s: %s parameters (%.1f MiB on this rank), %s, parallelism=%s on %s, rank %d/%d "
                          "pid %d", cfg.model.name, f"{num_params(run.model):,}",
-                         sum(local_tensor(p).nbytes for p in run.model.parameters()) / 2**20, run.label,
+                         sum(local_tensor(p).nbytes for p in run.model.parameters()) / MiB, run.label,
                          cfg.parallelism.name, run.device, run.launch.rank, run.launch.world_size, os.getpid())
                 diagnostics = Diagnostics(cfg.diagnostics, run.run_dir, run.device, run.launch.rank,
                                           steps=cfg.train.steps - run.start_step)

@@ -35,7 +35,7 @@ from membudget.devices import GPUS  # noqa: E402
 from membudget.plan.evidence import error, plan_row, ranked_pairs, rows, speed_summary  # noqa: E402
 from membudget.collector import collect_rarely  # noqa: E402
 from membudget.launch import register_configs  # noqa: E402
-from membudget.units import GiB, fmt_bytes  # noqa: E402
+from membudget.units import GiB, KiB, fmt_bytes  # noqa: E402
 
 SETTING = ["logger=none", "model=llama3_8b", "train.seq_len=8192", "parallelism=fsdp", "plan.world_size=64",
            "train.global_batch_size=64", "train.micro_batch_size=1", "ac=memory_budget", "ac.memory_budget=0.5"]
@@ -59,7 +59,7 @@ def timings(overrides: list[str]) -> None:
     seconds = time.perf_counter() - start
     print(f"budget sweep, {len(plans)} points: {seconds:.1f} s  (target < 300 s); per point: "
           + ", ".join(f"{p.memory_budget:g}: {p.seconds:.1f}" for p in plans))
-    print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+    print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KiB / GiB:.2f} GiB")
 
 
 COMMON = ["logger=none", "train.seq_len=8192", "ac=memory_budget", "ac.memory_budget=0.5"]

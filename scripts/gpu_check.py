@@ -88,7 +88,7 @@ from membudget.metrics import ActivationCounter  # noqa: E402
 from membudget.parallel import clip_grad_norm  # noqa: E402
 from membudget.plan import Planner, plan_setting  # noqa: E402
 from membudget.plan.sweep import is_auto  # noqa: E402
-from membudget.units import fmt_bytes  # noqa: E402
+from membudget.units import GiB, MiB, fmt_bytes  # noqa: E402
 from membudget.offload import find_offloader  # noqa: E402
 from membudget.schema import ACMode, CompileBackend, OffloadWith, RunConfig, TrainDevice  # noqa: E402
 from membudget.step import Numerics, build_model, build_optimizer, forward_backward  # noqa: E402
@@ -1014,10 +1014,10 @@ def settings_table(rows: list[Row]) -> str:
 OFFLOAD_SETTINGS = "offload:full,offload:selective,offload,blocks=offload+offload:selective+full+none"
 
 
-def host_link(device: torch.device, nbytes: int = 1 << 30) -> dict:
+def host_link(device: torch.device, nbytes: int = GiB) -> dict:
     """Pinned host <-> device copy rates, GB/s: each way alone on a side stream, and both at once (one copy
     engine each way), as offload.py copies; on a CPU plain host copies (a smoke test)."""
-    nbytes = nbytes if device.type == "cuda" else 1 << 20
+    nbytes = nbytes if device.type == "cuda" else MiB
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     back = torch.empty_like(host)
