@@ -51,7 +51,7 @@ TRAIN_STATE = "train_state.json"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _TMP = ".tmp_"  # prefix of everything in flight: saves being written, checkpoints being deleted
-_CHUNK = 16 << 20
+_CHUNK = 16 * MiB
 
 
 def _rank() -> int:
@@ -329,7 +329,7 @@ class Checkpointer:
         latest = next((p for p in reversed(self.saved()) if (p / MANIFEST).is_file()), None)
         if isinstance(error, OSError) and error.strerror:
             why = error.strerror
-        elif free is not None and free < 64 << 20:
+        elif free is not None and free < 64 * MiB:
             why = f"No space left on device: {free / MiB:.1f} MiB free"
         elif error is not None:
             text = str(error).strip().splitlines()

@@ -13,7 +13,6 @@ from membudget.units import GiB
 from tests.conftest import compose_cfg
 
 
-
 def checked(row) -> bool:
     return row.modelled and (row.measured is not None or row.fields["outcome"] == "oom" or bool(row.measured_speed))
 
