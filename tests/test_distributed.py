@@ -42,9 +42,10 @@ class _Reference(dict):
 
 
 def sized(global_batch: int) -> list[str]:
-    """SMALL with another global batch (sequences per step)."""
+    """This module's runs: SMALL with two blocks (a block boundary and the model's ends are all there is to shard,
+    split and checkpoint) and the given global batch (sequences per step)."""
     return [f"train.global_batch_size={global_batch}" if o.startswith("train.global_batch_size=") else o
-            for o in SMALL]
+            for o in SMALL] + ["model.n_layers=2"]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def _check_sweep(sweep, single, nproc: int, jobs: int, tie: str, batch: int = 4)
 
 def test_two_ranks_ddp_fsdp_tp_match_one_process(tmp_path, single):
     sweep = tmp_path / "sweep"
-    proc = torchrun(sweep, 2, "parallelism=ddp,fsdp,tp", f"+ac_point={POINTS}", "train.micro_batch_size=1", *SMALL)
+    proc = torchrun(sweep, 2, "parallelism=ddp,fsdp,tp", f"+ac_point={POINTS}", "train.micro_batch_size=1", *sized(4))
     assert proc.returncode == 0, proc.stderr[-4000:]
     dirs = _check_sweep(sweep, single, 2, 12, "false")
     # rank 0 alone speaks on the console: each step line once per job, not once per rank

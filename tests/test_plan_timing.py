@@ -22,6 +22,7 @@ from membudget.plan.timing import (
 )
 from membudget.plan.trace import ATTENTION, GEMM, MEMORY, VIEW, Collective, Op
 from membudget.units import GiB, MiB
+from tests.conftest import compose_cfg
 
 H100 = GPUS["H100"]
 DEGREES = {"dp_replicate": 1, "dp_shard": 8, "tp": 1}
@@ -200,9 +201,10 @@ def test_fused_kernels_match_inductors_own_compile_of_a_block():
     from membudget.plan.record import fused_graph
     from membudget.plan.trace import FALLBACK
 
-    args = ModelArgs(dim=256, n_layers=1, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=64, max_seq_len=128)
-    freqs = rope_frequencies(args, 128)
-    x = torch.randn(2, 128, args.dim)
+    # the debug model at the tiny runs' batch and sequence: the kernels of the README's inductor test, cached once
+    args = dataclasses.replace(ModelArgs.from_config(compose_cfg().model), n_layers=1)
+    freqs = rope_frequencies(args, 32)
+    x = torch.randn(2, 32, args.dim)
 
     def step(backend):
         torch.manual_seed(0)
