@@ -22,7 +22,7 @@ from membudget.plan.timing import (
 )
 from membudget.plan.trace import ATTENTION, GEMM, MEMORY, VIEW, Collective, Op
 from membudget.units import GiB, MiB
-from tests.conftest import compose_cfg
+from tests.conftest import TINY, compose_cfg
 
 H100 = GPUS["H100"]
 DEGREES = {"dp_replicate": 1, "dp_shard": 8, "tp": 1}
@@ -200,11 +200,14 @@ def test_fused_kernels_match_inductors_own_compile_of_a_block():
     from membudget.model import ModelArgs, TransformerBlock, rope_frequencies
     from membudget.plan.record import fused_graph
     from membudget.plan.trace import FALLBACK
+    from membudget.step import StepShape
 
-    # the debug model at the tiny runs' batch and sequence: the kernels of the README's inductor test, cached once
-    args = dataclasses.replace(ModelArgs.from_config(compose_cfg().model), n_layers=1)
-    freqs = rope_frequencies(args, 32)
-    x = torch.randn(2, 32, args.dim)
+    # a block of a tiny run (one process): the kernels of the README's inductor test, so inductor compiles them once
+    cfg = compose_cfg(*TINY)
+    shape = StepShape.from_config(cfg, world_size=1)
+    args = dataclasses.replace(ModelArgs.from_config(cfg.model), n_layers=1)
+    freqs = rope_frequencies(args, shape.seq_len)
+    x = torch.randn(shape.micro_batch, shape.seq_len, args.dim)
 
     def step(backend):
         torch.manual_seed(0)
