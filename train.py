@@ -4,6 +4,7 @@
     python train.py -m ac=none,full,selective,memory_budget
 """
 
+import faulthandler
 import logging
 import sys
 from pathlib import Path
@@ -21,6 +22,10 @@ from membudget.rules import validate
 from membudget.search import objective
 
 collect_rarely()  # importing torch, Dynamo and inductor builds millions of objects the default collector rescans
+if not faulthandler.is_enabled():  # (pytest enables its own)
+    # a process that dies of a native fault (glibc's abort on a corrupted heap, a segfault) prints every thread's
+    # Python stack on stderr, which torchrun, SLURM and submitit keep: else a rank dies with a signal number alone
+    faulthandler.enable(all_threads=True)
 register_configs()
 log = logging.getLogger("membudget")
 

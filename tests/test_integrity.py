@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -256,6 +257,24 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     output = (tmp_path / "run.out").read_text()
     assert "Traceback" not in output
     assert read_summary(run_dir)["status"] == "interrupted"
+
+
+@pytest.mark.slow
+def test_a_native_crash_prints_every_threads_python_stack(tmp_path):
+    """A process that dies of a native fault says where it was: every thread's Python stack on stderr
+    (faulthandler, enabled by train.py). A suite run once lost a TP rank to glibc's "malloc_consolidate():
+    unaligned fastbin chunk detected" (SIGABRT) with nothing else to go on. SIGABRT from outside, as abort()
+    raises it."""
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, *(o for o in SLOW_RUN if not o.startswith("logger=")), "logger=none")
+    _wait_for_rows(run_dir, proc, 2)
+    proc.send_signal(signal.SIGABRT)
+    assert proc.wait(timeout=60) == -signal.SIGABRT
+    output = (tmp_path / "run.out").read_text()
+    assert "Fatal Python error: Aborted" in output, output[-3000:]
+    # the main thread's stack, down to the training loop, and the other threads' (the data prefetcher's) beside it
+    assert re.search(r'File ".*membudget/trainer\.py", line \d+ in train\n', output), output[-3000:]
+    assert "Current thread" in output and re.search(r'File ".*membudget/data\.py", line \d+ in _fill\n', output)
 
 
 @pytest.mark.slow
