@@ -322,10 +322,66 @@ def launcher_gone() -> Optional[str]:
     return None
 
 
+_START_TIME = 22 - 3  # proc(5): /proc/<pid>/stat's field 22, counted from the state (field 3)
+
+
+def process_identity() -> str:
+    """This process as another process of the same machine can find it again: the kernel's boot id, this PID
+    namespace, the pid and its start time (a pid the kernel hands out again has another start time)."""
+    return f"{_boot_id()} {_pid_namespace()} {os.getpid()} {_start_time(os.getpid())}"
+
+
+def process_state(identity: str) -> Optional[str]:
+    """What became of the process `identity` (process_identity's) names: "exited" (gone, a zombie, or its pid
+    reused), "suspended" (SIGSTOP, a debugger), "running"; None where this process cannot see it (another node,
+    another container's PID namespace, no /proc)."""
+    try:
+        boot, namespace, pid, started = identity.split()
+    except ValueError:
+        return None
+    if None in (_boot_id(), _pid_namespace()) or (boot, namespace) != (_boot_id(), _pid_namespace()):
+        return None
+    stat = _stat(int(pid))
+    if stat is None or stat[_START_TIME] != started:
+        return "exited"
+    return {"Z": "exited", "X": "exited", "T": "suspended", "t": "suspended"}.get(stat[0], "running")
+
+
+def _stat(pid: int) -> Optional[list[str]]:
+    """The fields of /proc/<pid>/stat after the command name (the state first); None when there is no such pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()  # the name in parentheses may hold spaces and parentheses
+
+
+def _start_time(pid: int) -> Optional[str]:
+    stat = _stat(pid)
+    return stat[_START_TIME] if stat else None
+
+
+def _boot_id() -> Optional[str]:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _pid_namespace() -> Optional[str]:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 class Heartbeat:
     """Each rank of a multi-rank job bumps a counter of its own in the rendezvous store every second, from a
     thread of its own (it runs while the rank waits in a collective, and stops when the process is killed or
-    stopped). When a collective fails, `stopped_ranks` names the ranks whose counters stand still."""
+    stopped), and leaves its process_identity there. When a collective fails, `stopped_ranks` names the ranks
+    whose counters stand still, and what became of each one's process where this rank can see it."""
 
     PERIOD_S = 1.0
     instance: "Optional[Heartbeat]" = None
@@ -355,6 +411,7 @@ class Heartbeat:
     def _beat(self) -> None:
         try:
             store = self._client(30)
+            store.set(f"{self.prefix}process/{self.launch.rank}", process_identity())
             while not self.done.is_set():
                 store.add(f"{self.prefix}{self.launch.rank}", 1)
                 self.done.wait(self.PERIOD_S)
@@ -364,10 +421,17 @@ class Heartbeat:
     def counts(self, store) -> list[int]:
         return [store.add(f"{self.prefix}{r}", 0) for r in range(self.launch.world_size)]
 
+    def _state(self, store, rank: int) -> Optional[str]:
+        """process_state of `rank`'s process; None where this rank cannot see it or it left no identity."""
+        key = f"{self.prefix}process/{rank}"
+        if not store.check([key]):
+            return None
+        return process_state(store.get(key).decode())
+
     @classmethod
-    def stopped_ranks(cls) -> Optional[list[int]]:
-        """The other ranks whose heartbeat does not advance over 3 periods; None when the store cannot say
-        (it was rank 0's, and it is gone)."""
+    def stopped_ranks(cls) -> Optional[dict[int, Optional[str]]]:
+        """The other ranks whose heartbeat does not advance over 3 periods, each with its process_state; None when
+        the store cannot say (it was rank 0's, and it is gone)."""
         self = cls.instance
         if self is None:
             return None
@@ -377,8 +441,8 @@ class Heartbeat:
             before = self.counts(store)
             time.sleep(3 * self.PERIOD_S + 0.5)
             after = self.counts(store)
-            return [r for r in range(self.launch.world_size)
-                    if r != self.launch.rank and after[r] == before[r]]
+            return {r: self._state(store, r) for r in range(self.launch.world_size)
+                    if r != self.launch.rank and after[r] == before[r]}
 
         try:
             return within_deadline(look, 15, "the rendezvous store did not answer")

@@ -99,7 +99,7 @@ def _peer_lost_line(cfg, run_dir: Path, run: "Optional[Run]", error: BaseExcepti
     setting = (f"checkpoint.timeout_s={run.checkpointer.timeout_s:g}" if saving
                else f"parallelism.timeout_s={cfg.parallelism.timeout_s}")
     if stopped:
-        who = ("rank " if len(stopped) == 1 else "ranks ") + ", ".join(map(str, stopped)) + " stopped answering"
+        who = _who_stopped(stopped)
     elif stopped is None:
         who = "another rank (the rendezvous store, gone with it, could not say which) stopped answering"
     elif "timed out" in str(error).lower():
@@ -116,6 +116,24 @@ def _peer_lost_line(cfg, run_dir: Path, run: "Optional[Run]", error: BaseExcepti
                   else "no checkpoint was completed yet: rerunning the same command starts again from step 0")
     at = f" at step {step}" if step is not None else ""
     return f"{who} during {phase}{at} ({setting}); {resume}"
+
+
+# what a stopped rank's process_state says, singular and plural (its process is on this machine; None: elsewhere)
+_FATES = {"exited": ("died (its process on this machine is gone)",) * 2,
+          "suspended": ("is suspended (its process on this machine is stopped: SIGSTOP, or a debugger)",
+                        "are suspended (their processes on this machine are stopped: SIGSTOP, or a debugger)"),
+          "running": ("stopped answering (its process on this machine still runs: hung?)",
+                      "stopped answering (their processes on this machine still run: hung?)"),
+          None: ("stopped answering",) * 2}
+
+
+def _who_stopped(stopped: dict[int, Optional[str]]) -> str:
+    """'rank 1 died (...)', 'ranks 2, 3 stopped answering and rank 1 died (...)': the ranks grouped by fate."""
+    by_fate: dict[Optional[str], list[int]] = {}
+    for rank, state in sorted(stopped.items()):
+        by_fate.setdefault(state, []).append(rank)
+    return " and ".join(("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks)) + " "
+                        + _FATES[state][len(ranks) > 1] for state, ranks in by_fate.items())
 
 
 class StopSignals:

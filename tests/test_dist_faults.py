@@ -122,8 +122,8 @@ def test_nodes_launched_with_different_overrides_stop_in_one_line(tmp_path):
 def test_a_rank_killed_during_saves_is_named_in_one_line(tmp_path):
     """SIGKILL of rank 1 while the job saves a checkpoint every step: the job ends within a few
     parallelism.timeout_s (torch's own default waits 600 s, or forever), and rank 0 says, in one line, that
-    rank 1 stopped answering, where and at which step, and which checkpoint the rerun resumes from; torchrun's
-    report names the rank and the signal."""
+    rank 1 died (its process on this machine is gone), where and at which step, and which checkpoint the rerun
+    resumes from; torchrun's report names the rank and the signal."""
     run = tmp_path / "run"
     job, out = _start(tmp_path, run, "parallelism=fsdp", "train.steps=100000", "checkpoint.every_steps=1",
                       "checkpoint.keep=2", "parallelism.timeout_s=30")
@@ -143,7 +143,8 @@ def test_a_rank_killed_during_saves_is_named_in_one_line(tmp_path):
     assert elapsed < 4 * 30, f"took {elapsed:.0f} s to end after a rank died"
     assert "rank      : 1" in output and "Signal 9 (SIGKILL)" in output, output[-3000:]
     (line,) = _error_lines(output)
-    assert re.search(r"rank 1 stopped answering during .+ at step \d+ \((parallelism\.timeout_s=30|"
+    assert re.search(r"rank 1 died \(its process on this machine is gone\) during .+ at step \d+ \("
+                     r"(parallelism\.timeout_s=30|"
                      r"checkpoint\.timeout_s=\d+)\); the last complete checkpoint is step_\d+: rerun the same "
                      r"command to resume", line), line
     latest = re.search(r"last complete checkpoint is (step_\d+)", line).group(1)
@@ -156,7 +157,8 @@ def test_a_rank_killed_during_saves_is_named_in_one_line(tmp_path):
 
 
 def test_a_rank_stopped_past_the_timeout_is_named_in_one_line(tmp_path):
-    """SIGSTOP of rank 1 for longer than parallelism.timeout_s: rank 0 names it, the setting and the step."""
+    """SIGSTOP of rank 1 for longer than parallelism.timeout_s: rank 0 names it as suspended, the setting and the
+    step."""
     run = tmp_path / "run"
     job, out = _start(tmp_path, run, "parallelism=ddp", "train.steps=100000", "checkpoint.every_steps=2",
                       "parallelism.timeout_s=8", "checkpoint.timeout_s=8")
@@ -164,7 +166,7 @@ def test_a_rank_stopped_past_the_timeout_is_named_in_one_line(tmp_path):
         pid = _pid(run / "train_rank1.log")
         _wait_for(run / "train.log", "saved checkpoint")
         os.kill(pid, signal.SIGSTOP)
-        content = _wait_for(out, "stopped answering", timeout=150)
+        content = _wait_for(out, "is suspended", timeout=150)
         os.kill(pid, signal.SIGKILL)  # rather than torchrun's 30 s wait for a stopped process
         job.wait(timeout=120)
     finally:
@@ -172,7 +174,8 @@ def test_a_rank_stopped_past_the_timeout_is_named_in_one_line(tmp_path):
     output = out.read_text()
     assert content and job.returncode != 0
     (line,) = _error_lines(output)
-    assert re.search(r"rank 1 stopped answering during .+ at step \d+ \((parallelism|checkpoint)\.timeout_s=8\); "
+    assert re.search(r"rank 1 is suspended \(its process on this machine is stopped: SIGSTOP, or a debugger\) "
+                     r"during .+ at step \d+ \((parallelism|checkpoint)\.timeout_s=8\); "
                      r"the last complete checkpoint is step_\d+: rerun the same command to resume", line), line
     assert not _our_traceback(output) and "Timed out" not in output, output[-3000:]
 

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -303,3 +304,46 @@ def test_at_exit_the_process_group_is_left_with_gloos_workers_idle():
     finally:
         _leave_process_group()
     assert not dist.is_initialized()
+
+
+def test_a_lost_ranks_process_is_told_running_suspended_or_dead_where_this_machine_sees_it():
+    """What the line for a rank whose heartbeat stopped says of its process (Heartbeat.stopped_ranks): the identity
+    a real process leaves (process_identity), read back while it runs, stopped by SIGSTOP, killed (a zombie until
+    its parent reaps it) and reaped. A reused pid is the old process gone; an identity from another machine or PID
+    namespace is not judged."""
+    from membudget.launch import process_state
+    from membudget.trainer import _who_stopped
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; from membudget.launch import process_identity; "
+                               "print(process_identity(), flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        identity = child.stdout.readline().strip()
+        boot, namespace, pid, started = identity.split()
+        assert int(pid) == child.pid
+        assert process_state(identity) == "running"
+        os.kill(child.pid, signal.SIGSTOP)
+        assert _eventually(lambda: process_state(identity) == "suspended")
+        os.kill(child.pid, signal.SIGKILL)
+        assert _eventually(lambda: process_state(identity) == "exited")  # a zombie: not yet reaped
+    finally:
+        child.kill()
+        child.wait()
+    assert process_state(identity) == "exited"  # reaped: no such pid
+    # this process's pid with another start time (the kernel reused the pid); another boot; another namespace
+    assert process_state(f"{boot} {namespace} {os.getpid()} {int(started) + 1}") == "exited"
+    assert process_state(f"another-boot {namespace} {os.getpid()} {started}") is None
+    assert process_state(f"{boot} pid:[1] {os.getpid()} {started}") is None
+    assert _who_stopped({3: None, 1: "exited", 2: None}) == \
+        "rank 1 died (its process on this machine is gone) and ranks 2, 3 stopped answering"
+    assert _who_stopped({1: "suspended", 2: "suspended"}).startswith("ranks 1, 2 are suspended (their processes")
+
+
+def _eventually(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
