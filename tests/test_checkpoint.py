@@ -1,9 +1,10 @@
 """Checkpoints: a resumed run reproduces the uninterrupted one bit for bit (also FSDP under torchrun, sharded on
-disk); a killed or failed save never costs the last good checkpoint; a damaged checkpoint is never loaded: it is
+disk), and on another world size to fp32 rounding; a killed or failed save never costs the last good checkpoint; a damaged checkpoint is never loaded: it is
 skipped for the newest intact one; a non-finite state is never saved; only the last K are kept."""
 
 import itertools
 import json
+import logging
 import os
 import random
 import shutil
@@ -20,7 +21,7 @@ from membudget.checkpoint import MANIFEST, Checkpointer, config_changes, read_tr
 from membudget.errors import UserError
 from membudget.schema import CheckpointConfig
 from tests.checkpoint_driver import SMALL, Run, scope
-from tests.conftest import FAST_COMPILE, ROOT, compose_cfg, subprocess_env
+from tests.conftest import FAST_COMPILE, ROOT, compose_cfg, read_metrics, subprocess_env, train_here
 
 
 @pytest.mark.parametrize("ac", ["ac=none", pytest.param("ac=full", marks=pytest.mark.slow),
@@ -279,3 +280,32 @@ def test_fsdp_checkpoint_is_sharded_and_resumes_bitwise_under_torchrun(tmp_path)
     weight = metadata["model.layers.0.attention.wq.weight"]
     assert [chunk.sizes[0] for chunk in weight.chunks] == [weight.size[0] // 2] * 2
     assert os.path.getsize(saved / "__0_0.distcp") > 0
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_a_run_resumes_on_another_world_size_with_the_losses_of_one_uninterrupted_run(tmp_path, caplog):
+    """FSDP over two ranks for 3 steps, then the same run dir resumed as one process (a requeue onto a smaller
+    allocation, or a layout changed after an OOM): DCP reshards the model and the optimizer states, the data
+    stream goes on where the global batch left it, and the loss curve is that of one process that never
+    stopped."""
+    common = ["logger=none", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
+              "data.prefetch=0", "model.n_layers=2", "train.progress=lines"]
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(ROOT / "train.py"),
+         f"hydra.run.dir={run}", "parallelism=fsdp", *common, "train.steps=3", "checkpoint.every_steps=3"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=subprocess_env(), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    saved = run / "checkpoints" / "step_0000003"
+    assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # sharded by two
+    with caplog.at_level(logging.INFO, logger="membudget"):
+        resumed = train_here(run, *common, "train.steps=6")
+    assert f"resumed from {saved} at step 3" in caplog.text
+    assert "parallelism.name: 'fsdp' -> 'single'" in caplog.text  # a change that leaves the math alone
+    reference = train_here(tmp_path / "one", *common, "train.steps=6")
+    assert resumed["world_size"] == 1 and resumed["status"] == "completed"
+    rows, expected = read_metrics(run), read_metrics(tmp_path / "one")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in expected], rel=1e-4)
+    assert resumed["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-4)
