@@ -339,7 +339,7 @@ def process_state(identity: str) -> Optional[str]:
         boot, namespace, pid, started = identity.split()
     except ValueError:
         return None
-    if None in (_boot_id(), _pid_namespace()) or (boot, namespace) != (_boot_id(), _pid_namespace()):
+    if (boot, namespace) != (_boot_id(), _pid_namespace()):  # (None here never equals what another wrote)
         return None
     stat = _stat(int(pid))
     if stat is None or stat[_START_TIME] != started:

@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,15 @@ def subprocess_env(**extra: str) -> dict[str, str]:
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     return {**env, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1", **extra}
+
+
+def wait_until(condition, timeout_s: float = 60.0, what: str = "the condition") -> None:
+    """Poll `condition` until it holds; generous by default: a busy machine can stall a thread or a process for
+    seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not come within {timeout_s:g} s"
+        time.sleep(0.005)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -1,6 +1,7 @@
 """Checkpoints: a resumed run reproduces the uninterrupted one bit for bit (also FSDP under torchrun, sharded on
-disk), and on another world size to fp32 rounding; a killed or failed save never costs the last good checkpoint; a damaged checkpoint is never loaded: it is
-skipped for the newest intact one; a non-finite state is never saved; only the last K are kept."""
+disk), and on another world size to fp32 rounding; a killed or failed save never costs the last good checkpoint;
+a damaged checkpoint is never loaded: it is skipped for the newest intact one; a non-finite state is never saved;
+only the last K are kept."""
 
 import itertools
 import json

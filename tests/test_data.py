@@ -6,7 +6,6 @@ import json
 import re
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ from membudget.data import (
 from membudget.errors import UserError
 from membudget.options import group_options
 from membudget.schema import DataConfig, TokenizerConfig
-from tests.conftest import compose_cfg
+from tests.conftest import compose_cfg, wait_until
 
 MERGES = [b"th", b"he", b"the", b" t"]  # ranks 256.. after the 256 single bytes
 
@@ -360,13 +359,6 @@ def test_synthetic_is_seeded():
 
 # ------------------------------------------------------------------------------------------- prefetching
 
-def wait_until(condition, timeout_s=60.0):  # generous: a busy machine can stall the data thread for seconds
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "the data thread did not get there in time"
-        time.sleep(0.005)
-
-
 @pytest.mark.parametrize("depth", [0, 1, 3])
 def test_prefetcher_hands_out_the_same_batches_and_their_position(tmp_path, depth):
     cfg = small_corpus(tmp_path, "jsonl")
@@ -392,7 +384,8 @@ def test_prefetcher_hands_out_the_same_batches_and_their_position(tmp_path, dept
             # the position after the last batch handed out, not after those the thread read ahead
             assert prefetcher.state_dict() == plain.state_dict() and plain.state_dict()["step"] == step
             if depth:  # exactly `depth` batches are read ahead, never more: the thread waits for a slot there
-                wait_until(lambda: slots.parked_at is not None and slots.parked_at >= step + depth)
+                wait_until(lambda: slots.parked_at is not None and slots.parked_at >= step + depth,
+                           what="the data thread")
                 assert slots.parked_at == underlying.step == step + depth
         state = json.loads(json.dumps(prefetcher.state_dict()))
     finally:
@@ -435,7 +428,8 @@ def test_prefetcher_close_stops_the_thread():
     assert prefetcher._thread is None
     prefetcher = Prefetcher(TokenBatches(DataConfig(), ByteTokenizer(), 2, 16, seed=0), depth=2)
     next(prefetcher)
-    wait_until(lambda: prefetcher.batches.step == 3)  # the read-ahead is full: the thread waits for a free slot
+    # the read-ahead is full: the thread waits for a free slot
+    wait_until(lambda: prefetcher.batches.step == 3, what="the data thread")
     thread = prefetcher._thread
     assert thread.is_alive()
     prefetcher.close()  # joins for at most 10 s: a thread still waiting for a slot would still be alive

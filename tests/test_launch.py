@@ -27,7 +27,7 @@ from membudget.errors import UserError
 from membudget.launch import (Launch, config_fingerprint, expand_hostlist, first_host, launch_from_env, run_name,
                               srun_port, srun_rendezvous, warn_if_unused_allocation)
 from membudget.schema import resolved
-from tests.conftest import CONF, ROOT, TINY, compose_cfg, read_metrics, subprocess_env
+from tests.conftest import CONF, ROOT, TINY, compose_cfg, read_metrics, subprocess_env, wait_until
 
 SALLOC = {"SLURM_JOB_ID": "4711", "SLURM_NTASKS": "16", "SLURM_NODELIST": "gpu[01-02]",
           "SLURM_JOB_NODELIST": "gpu[01-02]"}
@@ -324,9 +324,9 @@ def test_a_lost_ranks_process_is_told_running_suspended_or_dead_where_this_machi
         assert int(pid) == child.pid
         assert process_state(identity) == "running"
         os.kill(child.pid, signal.SIGSTOP)
-        assert _eventually(lambda: process_state(identity) == "suspended")
+        wait_until(lambda: process_state(identity) == "suspended", what="the stopped child's state")
         os.kill(child.pid, signal.SIGKILL)
-        assert _eventually(lambda: process_state(identity) == "exited")  # a zombie: not yet reaped
+        wait_until(lambda: process_state(identity) == "exited", what="the killed child's state")  # a zombie
     finally:
         child.kill()
         child.wait()
@@ -339,11 +339,3 @@ def test_a_lost_ranks_process_is_told_running_suspended_or_dead_where_this_machi
         "rank 1 died (its process on this machine is gone) and ranks 2, 3 stopped answering"
     assert _who_stopped({1: "suspended", 2: "suspended"}).startswith("ranks 1, 2 are suspended (their processes")
 
-
-def _eventually(condition, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
