@@ -4,6 +4,7 @@
     iter_documents(cfg.data)                  -> document strings (pydoc, text, jsonl or a Hugging Face dataset)
     TokenBatches(cfg.data, tokenizer, ...)    -> (inputs, labels) for this data-parallel rank, step after step
     Prefetcher(batches, depth)                -> the same batches, prepared ahead in a background thread
+    data_fingerprint(cfg.data)                -> what the run reads, to compare with a checkpoint's or a rank's
 
 Documents are tokenized lazily, one at a time, wrapped in BOS/EOS and packed into one endless stream (the
 corpus repeats, epoch after epoch); the stream is cut into windows of seq_len + 1 tokens. Every rank reads the
@@ -14,6 +15,7 @@ data-parallel size, and a position in the stream (epoch, document, token offset)
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import queue
@@ -367,6 +369,86 @@ def _hf_texts(ds, cfg: DataConfig, start: int) -> Iterator[str]:
                 raise _field_error(cfg.text_field, f"example {n} of {cfg.hf_path}", {cfg.text_field: text})
             yield text
             n += 1
+
+
+# -------------------------------------------------------------------------------------------- fingerprint
+
+# A fingerprint reads every file's size and samples of the content of a bounded number of files, so that it costs
+# a second or less at the start of a run over any corpus (a resume reads its own files, a rank its node's copy).
+FINGERPRINT_FILES = 64  # files whose content is sampled (evenly spread over the sorted list); the rest by size
+FINGERPRINT_CHUNKS = 16  # chunks of FINGERPRINT_CHUNK bytes, evenly spread over a larger file; a smaller is read whole
+FINGERPRINT_CHUNK = 64 * 1024
+
+
+def data_fingerprint(cfg: DataConfig) -> dict:
+    """What the run's documents are made of, comparable across machines: for data=text and jsonl (and data=hf
+    with local data files) each file's name relative to their common directory, its size and a digest of its
+    content (whole up to 1 MiB, else sampled; see the constants above); for pydoc a digest of CPython's docs;
+    nothing for synthetic data and the Hub (a dataset's name is in the config). A resume or a rank that reads
+    other documents than its checkpoint or rank 0 would continue from a position in other text."""
+    if cfg.name == DataName.pydoc:
+        from pydoc_data.topics import topics
+
+        text = "\0".join(f"{key}\0{topics[key]}" for key in sorted(topics)).encode()
+        return {"pydoc": hashlib.blake2b(text, digest_size=16).hexdigest()}
+    if cfg.name in (DataName.text, DataName.jsonl):
+        files = _resolve_files(cfg.path, ".txt" if cfg.name == DataName.text else ".jsonl")
+    elif cfg.name == DataName.hf and cfg.hf_data_files:
+        files = sorted(f for f in glob.glob(os.path.expanduser(cfg.hf_data_files), recursive=True) if os.path.isfile(f))
+    else:
+        return {}
+    if not files:
+        return {}
+    root = os.path.dirname(files[0]) if len(files) == 1 else os.path.commonpath(files)
+    sampled = set(np.linspace(0, len(files) - 1, min(len(files), FINGERPRINT_FILES)).round().astype(int).tolist())
+    return {"files": {os.path.relpath(f, root): [os.path.getsize(f), _content_digest(f) if i in sampled else None]
+                      for i, f in enumerate(files)}}
+
+
+def _content_digest(path: str) -> str:
+    size = os.path.getsize(path)
+    whole = FINGERPRINT_CHUNKS * FINGERPRINT_CHUNK
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        if size <= whole:
+            digest.update(f.read())
+        else:
+            for offset in np.linspace(0, size - FINGERPRINT_CHUNK, FINGERPRINT_CHUNKS).astype(np.int64).tolist():
+                f.seek(offset)
+                digest.update(f.read(FINGERPRINT_CHUNK))
+    return digest.hexdigest()
+
+
+def data_changes(before: dict, after: dict, then: str = "then", now: str = "now", most: int = 3) -> list[str]:
+    """How the documents of fingerprint `after` differ from `before`'s, file by file (the first `most`, and how
+    many more), in words: `then` and `now` name the two sides ("on rank 0", "on rank 1")."""
+    if before == after:
+        return []
+    if "files" not in before or "files" not in after:
+        if "pydoc" in before and "pydoc" in after:
+            return [f"CPython's pydoc topics differ (another Python version {now} than {then}?)"]
+        return [f"other documents ({_kind(before)} {then}, {_kind(after)} {now})"]
+    old, new = before["files"], after["files"]
+    changes = []
+    for name in sorted(old.keys() | new.keys()):
+        if name not in new:
+            changes.append(f"{name} only {then}")
+        elif name not in old:
+            changes.append(f"{name} only {now}")
+        elif old[name][0] != new[name][0]:
+            changes.append(f"{name} is {old[name][0]:,} bytes {then} and {new[name][0]:,} {now}")
+        elif None not in (old[name][1], new[name][1]) and old[name][1] != new[name][1]:
+            changes.append(f"{name} has other content (the same {new[name][0]:,} bytes)")
+    if not changes:  # unreachable while the files sampled follow from their count alone
+        changes.append("the files' sampled content differs")
+    more = [f"and {len(changes) - most} more files"] if len(changes) > most else []
+    return changes[:most] + more
+
+
+def _kind(fingerprint: dict) -> str:
+    if "files" in fingerprint:
+        return f"{len(fingerprint['files'])} files"
+    return "pydoc" if "pydoc" in fingerprint else "no files"
 
 
 # ------------------------------------------------------------------------------------------------ batches

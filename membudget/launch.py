@@ -457,37 +457,47 @@ def config_fingerprint(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def check_same_config(config: dict, launch: Launch) -> None:
-    """Every rank's resolved config must be rank 0's (two nodes launched with different overrides would train
-    silently apart, or abort deep in a collective): one all-gather of a hash, before any model is built; on a
-    difference, the configs themselves, and one line naming the keys, both values, and the node and rank."""
+def check_same_run(config: dict, data: dict, launch: Launch) -> None:
+    """Every rank's resolved config and data (data.data_fingerprint) must be rank 0's: two nodes launched with
+    different overrides, or reading different copies of the data, would train silently apart or abort deep in a
+    collective. One all-gather of a hash, before any model is built; on a difference, the configs and the
+    fingerprints themselves, and one line naming each differing key with both values, each differing file, and
+    the node and rank."""
     import socket
 
     import torch.distributed as dist
 
+    from membudget.data import data_changes
     from membudget.schema import flat_keys
 
     if launch.world_size == 1 or not dist.is_initialized():
         return
     node = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", "?"))
-    mine = (config_fingerprint(config), node, socket.gethostname())
+    mine = (config_fingerprint(config), config_fingerprint(data), node, socket.gethostname())
     everyone = [None] * launch.world_size
     dist.all_gather_object(everyone, mine)
-    odd = [r for r, (h, _, _) in enumerate(everyone) if h != everyone[0][0]]
+    odd = [r for r, theirs in enumerate(everyone) if theirs[:2] != everyone[0][:2]]
     if not odd:
         return
-    configs = [None] * launch.world_size
-    dist.all_gather_object(configs, flat_keys(config))
+    both = [None] * launch.world_size
+    dist.all_gather_object(both, (flat_keys(config), data))
     first = odd[0]
-    ref, other = configs[0], configs[first]
+    (ref, ref_data), (other, other_data) = both[0], both[first]
     keys = sorted(k for k in ref.keys() | other.keys() if ref.get(k) != other.get(k))
-    shown = "; ".join(f"{k}={ref.get(k)!r} on rank 0, {other.get(k)!r} on rank {first}" for k in keys[:6])
-    more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
-    _, node1, host1 = everyone[first]
+    shown = [f"{k}={ref.get(k)!r} on rank 0, {other.get(k)!r} on rank {first}" for k in keys[:6]]
+    if len(keys) > 6:
+        shown.append(f"and {len(keys) - 6} more keys")
+    files = data_changes(ref_data, other_data, then="on rank 0", now=f"on rank {first}")
+    if files:
+        shown.append(f"the data differs: {', '.join(files)}")
+    _, _, node1, host1 = everyone[first]
     ranks = f"rank {first}" + (f" and {len(odd) - 1} other ranks" if len(odd) > 1 else "")
-    raise UserError(f"{ranks} (node {node1}, host {host1}) resolved another config than rank 0 (node "
-                    f"{everyone[0][1]}, host {everyone[0][2]}): {shown}{more}; launch every node with the same "
-                    "command and overrides")
+    fix = [*(["launch every node with the same command and overrides"] if keys else []),
+           *(["give every node the same copy of the data"] if files else [])]
+    if not fix:  # hashes that differ where the comparison sees nothing (values that print alike)
+        shown, fix = ["their configs print alike but hash differently"], ["launch every node with the same command"]
+    raise UserError(f"{ranks} (node {node1}, host {host1}) would train another run than rank 0 (node "
+                    f"{everyone[0][2]}, host {everyone[0][3]}): {'; '.join(shown)}; {' and '.join(fix)}")
 
 
 # --- how early SLURM warns before a time limit ---------------------------------------------------------------

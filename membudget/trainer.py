@@ -29,12 +29,13 @@ import torch.distributed as dist
 from membudget.ac import compiler_scope
 from membudget.checkpoint import Checkpointer, config_changes, save_seconds
 from membudget.collector import scheduled_gc
-from membudget.data import Prefetcher, TokenBatches, build_tokenizer, vocab_size_check
+from membudget.data import (Prefetcher, TokenBatches, build_tokenizer, data_changes, data_fingerprint,
+                            vocab_size_check)
 from membudget.diagnostics import Diagnostics
 from membudget.console import quiet_log_file_errors
 from membudget.errors import Stopped, UserError
 from membudget.fit import CHECKPOINT_BYTES_PER_PARAMETER, WEIGHT_BYTES, check_fits, check_host_fits
-from membudget.launch import (Heartbeat, Launch, check_same_config, init_distributed, launch_from_env, launcher_gone,
+from membudget.launch import (Heartbeat, Launch, check_same_run, init_distributed, launch_from_env, launcher_gone,
                               pick_device, warn_if_unused_allocation)
 from membudget.metrics import (
     ActivationCounter,
@@ -197,6 +198,7 @@ class Run:
     checkpointer: Checkpointer
     writer: Optional[MetricsWriter]
     wandb_run: Any
+    data_fingerprint: dict  # what the run reads (data.data_fingerprint): each checkpoint keeps it
     start_step: int = 0
     rows: list = field(default_factory=list)
     skipped_in_a_row: int = 0
@@ -265,10 +267,10 @@ def _kept_metrics(run_dir: Path, n: int, is_main: bool) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines]
 
 
-def _resume(cfg, checkpointer: Checkpointer, model, optimizer, scheduler) -> Optional[dict]:
-    """Restore the checkpoint to continue from, if any, after checking that this run's config may continue
-    it: what changes the model or the data stream is refused; the optimizer's and the schedule's settings
-    are applied (and logged); the rest (AC, compile, layout, logging) is allowed."""
+def _resume(cfg, checkpointer: Checkpointer, model, optimizer, scheduler, data: dict) -> Optional[dict]:
+    """Restore the checkpoint to continue from, if any, after checking that this run's config and data (its
+    fingerprint, `data`) may continue it: what changes the model or the data stream is refused; the optimizer's
+    and the schedule's settings are applied (and logged); the rest (AC, compile, layout, logging) is allowed."""
     if cfg.checkpoint.resume == "never":
         return None
     now = resolved(cfg)
@@ -280,6 +282,14 @@ def _resume(cfg, checkpointer: Checkpointer, model, optimizer, scheduler) -> Opt
                             f"trained with other settings that change the model or the data ({'; '.join(refused)}); "
                             "set them back, or start fresh with checkpoint.resume=never "
                             "checkpoint.archive_old_run=true")
+        # a checkpoint from before fingerprints has none: nothing to compare
+        changed = data_changes(state["extra"].get("data_fingerprint", data), data)
+        if changed and not cfg.checkpoint.allow_data_change:
+            raise UserError(f"checkpoint.resume={cfg.checkpoint.resume!r}: the data changed since the checkpoint at "
+                            f"step {state['step']} ({'; '.join(changed)}), so its position points into other text; "
+                            "restore the data, or set checkpoint.allow_data_change=true to continue anyway")
+        if changed:
+            log.warning("resuming over changed data (checkpoint.allow_data_change=true): %s", "; ".join(changed))
         if state["step"] > cfg.train.steps:  # refused before any change is announced as taking effect
             raise UserError(f"train.steps={cfg.train.steps}: the checkpoint to resume is at step {state['step']}; "
                             f"set train.steps={state['step']} or more to continue it")
@@ -322,8 +332,9 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     device = pick_device(str(cfg.train.device), launch)
     init_distributed(launch, device, cfg.parallelism.timeout_s)  # once per process: a multirun's jobs share it
     quiet_console(launch.is_main)
-    _at("the check that every rank has the same config", None)
-    check_same_config(resolved(cfg), launch)  # before any model
+    _at("the check that every rank has the same config and data", None)
+    data = data_fingerprint(cfg.data)
+    check_same_run(resolved(cfg), data, launch)  # before any model
     _at("setup (the run dir, the model, resuming)", None)
     run_dir = _agree_on_run_dir(Path(run_dir), launch)
     quiet_log_file_errors()  # this rank's log file, if it follows rank 0's dir
@@ -358,7 +369,7 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, timeout_s=cfg.checkpoint.timeout_s
                                 or save_seconds(state_bytes, cfg.checkpoint.write_gbps))
     checkpointer.check_writable()
-    state = _resume(cfg, checkpointer, model, optimizer, scheduler)
+    state = _resume(cfg, checkpointer, model, optimizer, scheduler, data)
     if state is None:
         _on_rank0(lambda: start_fresh(run_dir, cfg.checkpoint.resume, cfg.checkpoint.archive_old_run))
     else:
@@ -371,7 +382,7 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     rows = _kept_metrics(run_dir, state["extra"]["metrics_rows"] if state else 0, launch.is_main)
     return Run(cfg, run_dir, launch, device, mesh, shape, numerics, model, optimizer, scheduler, prefetcher,
                ActivationCounter(model), checkpointer, MetricsWriter(run_dir, wandb_run) if launch.is_main else None,
-               wandb_run, start_step=state["step"] if state else 0, rows=rows,
+               wandb_run, data, start_step=state["step"] if state else 0, rows=rows,
                flops_per_token=flops_per_token(model, shape.seq_len),
                peak_flops=device_peak_flops(device, numerics.bf16, cfg.train.peak_flops))
 
@@ -505,8 +516,8 @@ def log_step(run: Run, step: int, result: StepResult, lr: float, seconds_per_ste
 
 
 def save_checkpoint(run: Run, step: int) -> None:
-    extra = {"data": run.batches.state_dict(), "metrics_rows": len(run.rows),
-             "wandb_id": run.wandb_run.id if run.wandb_run is not None else None}
+    extra = {"data": run.batches.state_dict(), "data_fingerprint": run.data_fingerprint,
+             "metrics_rows": len(run.rows), "wandb_id": run.wandb_run.id if run.wandb_run is not None else None}
     config = resolved(run.cfg)
     run.checkpointer.save(step, run.model, run.optimizer, run.scheduler, extra, config)
 

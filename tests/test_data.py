@@ -434,3 +434,56 @@ def test_prefetcher_close_stops_the_thread():
     assert thread.is_alive()
     prefetcher.close()  # joins for at most 10 s: a thread still waiting for a slot would still be alive
     assert not thread.is_alive()
+
+
+def test_the_data_fingerprint_sees_what_a_resume_or_another_node_would_read_differently(tmp_path):
+    """Names relative to the files' common dir and sizes of every file, content sampled: equal for a copy
+    elsewhere; each kind of change named, file by file."""
+    from membudget.data import FINGERPRINT_CHUNK, FINGERPRINT_CHUNKS, FINGERPRINT_FILES, data_changes, data_fingerprint
+
+    def text(path):
+        return data_fingerprint(DataConfig(name="text", path=str(path)))
+
+    corpus = write_docs(tmp_path, ["alpha", "beta"])
+    (corpus / "big.txt").write_bytes(b"x" * (3 * FINGERPRINT_CHUNKS * FINGERPRINT_CHUNK))  # sampled, not read whole
+    before = text(corpus)
+    assert sorted(before["files"]) == ["000_docs.txt", "001_docs.txt", "big.txt"]
+    copy = tmp_path / "b"
+    copy.mkdir()
+    for f in corpus.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    assert text(copy) == before and data_changes(before, text(copy)) == []
+
+    def changed(edit):
+        for f in copy.iterdir():
+            f.unlink()
+        for f in corpus.iterdir():
+            (copy / f.name).write_bytes(f.read_bytes())
+        edit()
+        return data_changes(before, text(copy))
+
+    assert changed(lambda: (copy / "001_docs.txt").write_text("beta!")) == ["001_docs.txt is 4 bytes then and 5 now"]
+    assert changed(lambda: (copy / "001_docs.txt").write_text("BETA")) == [
+        "001_docs.txt has other content (the same 4 bytes)"]
+    assert changed(lambda: (copy / "000_docs.txt").unlink()) == ["000_docs.txt only then"]
+    assert changed(lambda: (copy / "0000.txt").write_text("new")) == ["0000.txt only now"]
+    first_chunk = b"y" + b"x" * (3 * FINGERPRINT_CHUNKS * FINGERPRINT_CHUNK - 1)  # an edit in a sampled chunk
+    assert changed(lambda: (copy / "big.txt").write_bytes(first_chunk)) == [
+        f"big.txt has other content (the same {len(first_chunk):,} bytes)"]
+    # one file: its name alone; jsonl alike; synthetic data and the Hub read no files
+    assert list(text(corpus / "big.txt")["files"]) == ["big.txt"]
+    write_jsonl(tmp_path / "j.jsonl", [{"text": "one"}])
+    assert list(data_fingerprint(DataConfig(name="jsonl", path=str(tmp_path / "j.jsonl")))["files"]) == ["j.jsonl"]
+    assert data_fingerprint(DataConfig(name="synthetic")) == {} == data_fingerprint(DataConfig(name="hf", hf_path="c4"))
+    pydoc = data_fingerprint(DataConfig(name="pydoc"))
+    assert data_changes(pydoc, {"pydoc": "other"}) == ["CPython's pydoc topics differ (another Python version now "
+                                                       "than then?)"]
+    # many files: every size, the content of FINGERPRINT_FILES of them
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(FINGERPRINT_FILES + 10):
+        (many / f"{i:03d}.txt").write_text(f"doc {i}")
+    digests = [d for _, d in text(many)["files"].values()]
+    assert sum(d is not None for d in digests) == FINGERPRINT_FILES and digests[0] and digests[-1]
+    listed = data_changes(text(many), text(corpus), then="on rank 0", now="on rank 1")
+    assert listed[:1] == ["000.txt only on rank 0"] and listed[-1] == f"and {FINGERPRINT_FILES + 10} more files"

@@ -86,22 +86,27 @@ def _error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if "error: " in line]
 
 
-# --- 6: two nodes, different overrides ----------------------------------------------------------------------
+# --- 6: two nodes, different overrides and data ---------------------------------------------------------------
 
-def test_nodes_launched_with_different_overrides_stop_in_one_line(tmp_path):
-    """Two torchrun agents as two nodes of one job (one rendezvous id), the second with other overrides: a value
-    that would train silently apart (optimizer.lr) and a shape that would abort deep in a collective
-    (model.n_layers). Both stop before a model is built, in one line naming each key, both values and the node.
-    (One launch for both keys: the check compares a hash of the whole config, which test_launch shows changes
-    with any one value.)"""
+def test_nodes_launched_with_different_overrides_or_data_stop_in_one_line(tmp_path):
+    """Two torchrun agents as two nodes of one job (one rendezvous id), each in a directory of its own with its
+    own copy of the corpus (the same relative data.path, as on two nodes' local disks), the second with other
+    overrides: a value that would train silently apart (optimizer.lr), a shape that would abort deep in a
+    collective (model.n_layers), and a copy of the corpus with one file edited. Both stop before a model is
+    built, in one line naming each key with both values, the file, and the node. (One launch for all three: the
+    check compares hashes of the whole config and data, which test_launch and test_data show change with any
+    one value or file.)"""
     endpoint = f"localhost:{_free_port()}"
-    procs = []
-    for node in range(2):
+    procs, nodes = [], [tmp_path / f"node{n}" for n in range(2)]
+    for node, cwd in enumerate(nodes):
+        (cwd / "corpus").mkdir(parents=True)
+        (cwd / "corpus" / "a.txt").write_text("The same first document on both nodes. " * 8)
+        (cwd / "corpus" / "b.txt").write_text("A second document, edited on node 1. " * (8 + node))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "job6",
-               str(ROOT / "train.py"), *TINY, "parallelism=ddp",
+               str(ROOT / "train.py"), *TINY, "parallelism=ddp", "data=text", "data.path=corpus",
                *(["optimizer.lr=0.0005", "model.n_layers=3"] if node else [])]
-        procs.append(subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        procs.append(subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env=subprocess_env(), stdin=subprocess.DEVNULL))
     outs = [p.communicate(timeout=180)[0] for p in procs]
     output = "\n".join(outs)
@@ -109,12 +114,14 @@ def test_nodes_launched_with_different_overrides_stop_in_one_line(tmp_path):
     errors = _error_lines(output)
     assert len(errors) == 1, output[-3000:]  # once for the job (both "nodes" share this host's console)
     (line,) = errors
-    for shown in ("model.n_layers=4 on rank 0, 3 on rank 1", "0.0005 on rank 1"):
+    for shown in ("model.n_layers=4 on rank 0, 3 on rank 1", "0.0005 on rank 1",
+                  "the data differs: b.txt is 296 bytes on rank 0 and 333 on rank 1"):
         assert shown in line, line
-    assert "rank 1 (node 1" in line and "same command" in line, line
+    assert "rank 1 (node 1" in line and "same command" in line and "same copy of the data" in line, line
     assert not _our_traceback(output), output[-3000:]
-    run = tmp_path / "outputs" / "torchrun-job6"
-    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    for cwd in nodes:
+        run = cwd / "outputs" / "torchrun-job6"
+        assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
 
 
 # --- 7: a rank killed or stopped ------------------------------------------------------------------------------

@@ -154,6 +154,34 @@ def test_a_resume_applies_optimizer_changes_and_allows_ac_changes(checkpointed, 
     assert rows[2]["lr"] == pytest.approx(expected)  # the new peak LR and schedule, at step 3
 
 
+def test_a_resume_over_changed_data_is_refused_unless_allowed(tmp_path, caplog):
+    """The same data.path with a file edited since the checkpoint: the saved position would point into other
+    text. Refused in one line naming the file, nothing lost; checkpoint.allow_data_change=true resumes and says
+    what changed."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, doc in enumerate(["The first document, long enough for a few windows. " * 4, "A second one. " * 8]):
+        (corpus / f"{i}.txt").write_text(doc)
+    run_dir, run = tmp_path / "run", (*RUN, "data=text", f"data.path={corpus}")
+    train_here(run_dir, *run, "train.steps=2")
+    assert train_here(run_dir, *run, "train.steps=3")["status"] == "completed"  # unchanged: resumes
+    before, was = (run_dir / "metrics.jsonl").read_text(), (corpus / "0.txt").stat().st_size
+    (corpus / "0.txt").write_text("Edited. " * 30)
+    change = f"0.txt is {was} bytes then and 240 now"
+    with pytest.raises(UserError) as err:
+        train_here(run_dir, *run, "train.steps=4")
+    message = str(err.value)
+    assert message.startswith(f"checkpoint.resume='auto': the data changed since the checkpoint at step 3 ({change})")
+    assert "\n" not in message
+    assert "checkpoint.allow_data_change=true" in message
+    assert (run_dir / "metrics.jsonl").read_text() == before  # nothing lost or mixed
+    with caplog.at_level("WARNING", logger="membudget"):
+        summary = train_here(run_dir, *run, "train.steps=4", "checkpoint.allow_data_change=true")
+    assert summary["status"] == "completed" and [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert any(f"resuming over changed data (checkpoint.allow_data_change=true): {change}" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_steps_below_the_checkpoint_are_refused(checkpointed, caplog):
     with caplog.at_level("INFO", logger="membudget"), \
             pytest.raises(UserError, match=r"^train.steps=1: the checkpoint to resume is at step 2"):
