@@ -8,19 +8,18 @@ import torch
 
 from membudget.devices import GPUS
 from membudget.plan.record import Recorder, fused_graph
+from membudget.plan.fusion import fused_bytes, fused_intermediates, fused_kernels
 from membudget.plan.timing import (
     COMPUTE,
     HOST,
     attention_efficiency,
     collective_seconds,
     cost,
-    fused_bytes,
-    fused_kernels,
     gemm_efficiency,
     memory_seconds,
     op_seconds,
 )
-from membudget.plan.trace import ATTENTION, GEMM, MEMORY, VIEW, Collective, Op
+from membudget.plan.trace import ATTENTION, GEMM, MEMORY, VIEW, Collective, Op, Run, Segment
 from membudget.units import GiB, MiB
 from tests.conftest import TINY, compose_cfg
 
@@ -103,6 +102,26 @@ def test_fusion_groups_by_dependency_and_charges_only_what_crosses_the_kernel():
     assert c.kernels["fused"] == pytest.approx(memory_seconds(2 * MiB, H100) + memory_seconds(3 * MiB, H100))
     assert c.kernels["memory"] == 0 and eager > 2 * (5 * MiB)
     assert c.host == pytest.approx(H100.efficiency.host_graph + 4 * H100.efficiency.host_kernel)
+
+
+def test_a_value_read_only_inside_its_fused_kernel_is_never_allocated():
+    """What the memory replay leaves out of a compiled graph on a GPU: the norm's pow, mean and rsqrt (read by
+    the norm's kernel alone) and nothing else: the norm's output feeds the GEMMs and the graph's outputs, the
+    GEMMs' outputs are anchors' (cuBLAS writes them to memory), SiLU's output is read by the product in the same
+    kernel, the product is returned. A view of an intermediate is no reader of its own; a later graph (the
+    backward) reading a value keeps it; an op outside any graph (eager) fuses nothing."""
+    ops = _graph()
+    run = Run({"forward 0": Segment("forward 0", ops=ops)}, {}, 0, {})
+    assert fused_intermediates(run) == {2, 3, 4, 7}
+    viewed = ops[:1] + [Op("aten.view", 0, 0, False, kind=VIEW, region=1, reads=((2, MiB),))] + ops[1:]
+    assert fused_intermediates(Run({"forward 0": Segment("forward 0", ops=viewed)}, {}, 0, {})) == {2, 3, 4, 7}
+    backward = [Op("aten.mul", 0, 2 * MiB, False, region=2, reads=((7, MiB),), writes=((10, MiB),)),
+                Op("graph outputs", 0, 0, False, kind=VIEW, region=2, reads=((10, MiB),))]
+    run = Run({"forward 0": Segment("forward 0", ops=ops), "backward 0": Segment("backward 0", ops=backward)},
+              {}, 0, {})
+    assert fused_intermediates(run) == {2, 3, 4}  # SiLU's output is saved for the backward
+    eager = [dataclasses.replace(op, region=None, reads=(), writes=()) for op in ops]
+    assert fused_intermediates(Run({"forward 0": Segment("forward 0", ops=eager)}, {}, 0, {})) == set()
 
 
 def test_an_op_that_feeds_an_anchor_it_waits_for_is_not_fused_with_it():

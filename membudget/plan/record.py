@@ -37,7 +37,8 @@ from membudget.internals import (
     tree_leaves,
 )
 
-from .trace import ATTENTION, FALLBACK, GEMM, MEMORY, VIEW, Alloc, Collective, Event, Free, FreeCarried, Op, Segment
+from .trace import (ATTENTION, FALLBACK, GEMM, GRAPH_OUTPUTS, MEMORY, VIEW, Alloc, Collective, Event, Free, FreeCarried, Op,
+                    Segment)
 
 aten = torch.ops.aten
 # torch's formulas, plus CPU's flash attention (same arguments first), so CPU plans count attention too
@@ -187,7 +188,7 @@ class Recorder(TorchDispatchMode):
         """A graph's outputs outlive its last kernel: a marker op that reads them closes the region."""
         if self.recording and self.region is not None:
             reads = tuple((self._ident(t), _size(t)) for t in _tensors(outputs))
-            self.segments[-1].ops.append(Op("graph outputs", 0, 0, False, kind=VIEW, region=self.region, reads=reads))
+            self.segments[-1].ops.append(Op(GRAPH_OUTPUTS, 0, 0, False, kind=VIEW, region=self.region, reads=reads))
         self.region = None
 
     # --- ops -----------------------------------------------------------------------------------------------

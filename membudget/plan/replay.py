@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .allocator import CachingAllocator
+from .fusion import fused_intermediates
 from .trace import (
     ACTIVATIONS,
     CATEGORIES,
@@ -93,12 +94,16 @@ def consistent(run: Run, layout: Layout) -> bool:
     return True
 
 
-def _micro(run: Run, layout: Layout, step: int, micro: int) -> list[Phase]:
+def _micro(run: Run, layout: Layout, step: int, micro: int, fused: set[int]) -> list[Phase]:
+    """The phases of one micro-batch of the whole model from a recorded `run`; without the allocations in `fused`
+    (fusion.fused_intermediates: values inductor's kernels keep in registers)."""
     roles = {}
     for name, segment in run.segments.items():
         kind, b = _split(name)
         k = 0
         for event in segment.events:
+            if isinstance(event, (Alloc, Free)) and event.key in fused:
+                continue
             if isinstance(event, Alloc):
                 roles[event.key] = (kind, b, k)
                 k += 1
@@ -115,6 +120,8 @@ def _micro(run: Run, layout: Layout, step: int, micro: int) -> list[Phase]:
         phase.ops = segment.ops
         k = 0
         for event in segment.events:
+            if isinstance(event, (Alloc, Free)) and event.key in fused:
+                continue
             if isinstance(event, Alloc):
                 category = run.categories.get(event.key, TEMPORARIES)
                 phase.events.append(("a", (step, micro, kind, j, k), event.nbytes, event.stream, category))
@@ -156,9 +163,11 @@ def two_steps(probe: Probe, opt: OptimizerRun, n_layers: int, n_micro: int, init
     if init_transient:  # CPU meshes initialise one parameter at a time at full size, then keep this rank's shard
         init.events += [("a", ("init",), init_transient, 0, TEMPORARIES), ("f", ("init",))]
     phases = [init]
+    fused = {id(run): fused_intermediates(run) for run in probe.runs}
     for step in (1, 2):
         for micro in range(n_micro):
-            phases += _micro(probe.run_of(micro, n_micro), layout, step, micro)
+            run = probe.run_of(micro, n_micro)
+            phases += _micro(run, layout, step, micro, fused[id(run)])
         phases.append(_optimizer(opt, step))
     return phases
 

@@ -31,6 +31,7 @@ from typing import Optional
 
 from membudget.devices import Device
 
+from .fusion import fused_bytes, fused_kernels
 from .trace import ATTENTION, FALLBACK, GEMM, VIEW, Collective, Op
 
 _FSDP_GROUPS = ("dp_shard", "dp_replicate")
@@ -93,70 +94,6 @@ def op_seconds(op: Op, device: Device) -> float:
     else:
         compute = op.flops / peak
     return max(compute, memory_seconds(op.nbytes, device))
-
-
-def fused_kernels(graph: list[Op]) -> list[list[Op]]:
-    """The kernels inductor makes of one compiled graph call's ops, in order of their first op: each anchor
-    (GEMM, attention, collective, fallback) its own; memory-bound ops joined with their producers and consumers
-    among the memory-bound ops, across anchors that do not depend on them (inductor schedules by dependency, not
-    by program order), unless that would make a kernel both feed and wait for one anchor. Views are free."""
-    producer: dict[int, int] = {}  # allocation -> index of the op that wrote it
-    parent = list(range(len(graph)))
-    anchors_up = [set() for _ in graph]  # anchors each op depends on, transitively
-    anchors_down = [set() for _ in graph]  # of a group's root: anchors that depend on the group
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    fusable = [op.kind not in (GEMM, ATTENTION, VIEW, FALLBACK) and op.collective is None for op in graph]
-    for i, op in enumerate(graph):
-        sources = {producer[key] for key, _ in op.reads if key in producer}
-        for j in sources:
-            anchors_up[i] |= anchors_up[j] | ({j} if not fusable[j] and graph[j].kind != VIEW else set())
-        if not fusable[i]:
-            if op.kind != VIEW:  # an anchor: every group it reads from feeds it
-                for j in sources:
-                    if fusable[j]:
-                        anchors_down[root(j)].add(i)
-        else:
-            for j in sorted(sources):
-                if fusable[j]:
-                    a, b = root(j), root(i)
-                    if a != b and not (anchors_down[a] & (anchors_up[i] | anchors_up[b])):
-                        parent[b] = a
-                        anchors_down[a] |= anchors_down[b]
-                        anchors_up[a] |= anchors_up[b]
-            anchors_up[root(i)] |= anchors_up[i]
-        for key, _ in op.writes:  # views write nothing: their outputs are their inputs' allocations
-            producer[key] = i
-    groups: dict[int, list[Op]] = {}
-    for i, op in enumerate(graph):
-        if op.kind == VIEW and op.collective is None:
-            continue
-        groups.setdefault(root(i) if fusable[i] else -1 - i, []).append(op)
-    return sorted(groups.values(), key=lambda ops: graph.index(ops[0]))
-
-
-def fused_bytes(group: list[Op], graph: list[Op]) -> int:
-    """Bytes a fused kernel moves: what it reads that it did not write, and what it writes that another op of
-    its graph reads (or the graph returns)."""
-    members = {id(op) for op in group}
-    written = {key for op in group for key, _ in op.writes}
-    reads: dict[int, int] = {}
-    for op in group:
-        for key, nbytes in op.reads:
-            if key not in written:
-                reads[key] = max(reads.get(key, 0), nbytes)
-    read_outside = {key for op in graph if id(op) not in members for key, _ in op.reads}
-    outputs: dict[int, int] = {}
-    for op in group:
-        for key, nbytes in op.writes:
-            if key in read_outside:
-                outputs[key] = max(outputs.get(key, 0), nbytes)
-    return sum(reads.values()) + sum(outputs.values())
 
 
 @dataclass

@@ -41,6 +41,7 @@ class Collective:
 # the rest moves bytes (a view or an allocation moves none); a fallback moves bytes in a kernel of its own even in
 # a graph inductor compiles (it generates no code for complex tensors: RoPE's rotation)
 GEMM, ATTENTION, MEMORY, VIEW, FALLBACK = "gemm", "attention", "memory", "view", "fallback"
+GRAPH_OUTPUTS = "graph outputs"  # the name of the view-kind op that reads what a compiled graph call returns
 
 
 @dataclass(frozen=True)
