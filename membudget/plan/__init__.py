@@ -8,9 +8,10 @@
 Layout, in the order of the data: `record` (the op-level recorder) and `measure` (probes on fake tensors over a
 fake process group) measure, and `trace` holds what they record; `replay` (the first two steps of the whole
 model), `allocator` (the CUDA caching allocator), `fusion` (inductor's kernels: the bytes they move, the values
-they keep in registers), `timing` (roofline, communication, overlap, offloading's copies) and `devices` model; `result` holds a plan; `probes` measures once per run what the plans of its settings share;
-`verdict` judges a plan against the device; `planner` plans one setting; `blocks` chooses a policy per block;
-`sweep` plans several settings and chooses among them; `report` and `cli` write the plans.
+they keep in registers), `timing` (roofline, communication, overlap, offloading's copies) and `devices` model;
+`result` holds a plan; `probes` measures once per run what the plans of its settings share; `verdict` judges a
+plan against the device; `planner` plans one setting; `blocks` chooses a policy per block; `sweep` plans several
+settings and chooses among them; `report` and `cli` write the plans.
 """
 
 from .planner import Planner

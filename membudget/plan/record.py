@@ -37,8 +37,8 @@ from membudget.internals import (
     tree_leaves,
 )
 
-from .trace import (ATTENTION, FALLBACK, GEMM, GRAPH_OUTPUTS, MEMORY, VIEW, Alloc, Collective, Event, Free, FreeCarried, Op,
-                    Segment)
+from .trace import (ATTENTION, FALLBACK, GEMM, GRAPH_OUTPUTS, MEMORY, VIEW, Alloc, Collective, Event, Free,
+                    FreeCarried, Op, Segment)
 
 aten = torch.ops.aten
 # torch's formulas, plus CPU's flash attention (same arguments first), so CPU plans count attention too
