@@ -10,6 +10,12 @@ from __future__ import annotations
 from .trace import ATTENTION, FALLBACK, GEMM, GRAPH_OUTPUTS, VIEW, Op, Run
 
 
+def fusable(op: Op) -> bool:
+    """Whether inductor may fuse the op with its neighbours: a memory-bound op (not an anchor: GEMM, attention, a
+    collective or a fallback; not a view, which moves nothing)."""
+    return op.kind not in (GEMM, ATTENTION, VIEW, FALLBACK) and op.collective is None
+
+
 def fused_kernels(graph: list[Op]) -> list[list[Op]]:
     """The kernels inductor makes of one compiled graph call's ops, in order of their first op: each anchor
     (GEMM, attention, collective, fallback) its own; memory-bound ops joined with their producers and consumers
@@ -26,19 +32,19 @@ def fused_kernels(graph: list[Op]) -> list[list[Op]]:
             i = parent[i]
         return i
 
-    fusable = [op.kind not in (GEMM, ATTENTION, VIEW, FALLBACK) and op.collective is None for op in graph]
+    fused = [fusable(op) for op in graph]
     for i, op in enumerate(graph):
         sources = {producer[key] for key, _ in op.reads if key in producer}
         for j in sources:
-            anchors_up[i] |= anchors_up[j] | ({j} if not fusable[j] and graph[j].kind != VIEW else set())
-        if not fusable[i]:
+            anchors_up[i] |= anchors_up[j] | ({j} if not fused[j] and graph[j].kind != VIEW else set())
+        if not fused[i]:
             if op.kind != VIEW:  # an anchor: every group it reads from feeds it
                 for j in sources:
-                    if fusable[j]:
+                    if fused[j]:
                         anchors_down[root(j)].add(i)
         else:
             for j in sorted(sources):
-                if fusable[j]:
+                if fused[j]:
                     a, b = root(j), root(i)
                     if a != b and not (anchors_down[a] & (anchors_up[i] | anchors_up[b])):
                         parent[b] = a
@@ -51,7 +57,7 @@ def fused_kernels(graph: list[Op]) -> list[list[Op]]:
     for i, op in enumerate(graph):
         if op.kind == VIEW and op.collective is None:
             continue
-        groups.setdefault(root(i) if fusable[i] else -1 - i, []).append(op)
+        groups.setdefault(root(i) if fused[i] else -1 - i, []).append(op)
     return sorted(groups.values(), key=lambda ops: graph.index(ops[0]))
 
 
@@ -93,7 +99,7 @@ def fused_intermediates(run: Run) -> set[int]:
     internal = set()
     for graph in regions.values():
         for kernel in fused_kernels(graph):
-            if any(op.kind in (GEMM, ATTENTION, FALLBACK) or op.collective is not None for op in kernel):
+            if not fusable(kernel[0]):  # an anchor's kernel: its outputs are written to memory
                 continue
             members = {index[id(op)] for op in kernel}
             internal |= {key for op in kernel for key, _ in op.writes if readers.get(key, set()) <= members}

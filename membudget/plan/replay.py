@@ -29,6 +29,7 @@ from .trace import (
     OptimizerRun,
     Probe,
     Run,
+    Segment,
 )
 
 
@@ -97,13 +98,14 @@ def consistent(run: Run, layout: Layout) -> bool:
 def _micro(run: Run, layout: Layout, step: int, micro: int, fused: set[int]) -> list[Phase]:
     """The phases of one micro-batch of the whole model from a recorded `run`; without the allocations in `fused`
     (fusion.fused_intermediates: values inductor's kernels keep in registers)."""
+    def events(segment: Segment) -> list:
+        return [e for e in segment.events if not (isinstance(e, (Alloc, Free)) and e.key in fused)]
+
     roles = {}
     for name, segment in run.segments.items():
         kind, b = _split(name)
         k = 0
-        for event in segment.events:
-            if isinstance(event, (Alloc, Free)) and event.key in fused:
-                continue
+        for event in events(segment):
             if isinstance(event, Alloc):
                 roles[event.key] = (kind, b, k)
                 k += 1
@@ -119,9 +121,7 @@ def _micro(run: Run, layout: Layout, step: int, micro: int, fused: set[int]) -> 
         b = None if j is None else layout.rep(j)
         phase.ops = segment.ops
         k = 0
-        for event in segment.events:
-            if isinstance(event, (Alloc, Free)) and event.key in fused:
-                continue
+        for event in events(segment):
             if isinstance(event, Alloc):
                 category = run.categories.get(event.key, TEMPORARIES)
                 phase.events.append(("a", (step, micro, kind, j, k), event.nbytes, event.stream, category))
