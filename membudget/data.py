@@ -4,7 +4,7 @@
     iter_documents(cfg.data)                  -> document strings (pydoc, text, jsonl or a Hugging Face dataset)
     TokenBatches(cfg.data, tokenizer, ...)    -> (inputs, labels) for this data-parallel rank, step after step
     Prefetcher(batches, depth)                -> the same batches, prepared ahead in a background thread
-    data_fingerprint(cfg.data)                -> what the run reads, to compare with a checkpoint's or a rank's
+    data_fingerprint(cfg.data, cfg.tokenizer) -> what the run reads, to compare with a checkpoint's or a rank's
 
 Documents are tokenized lazily, one at a time, wrapped in BOS/EOS and packed into one endless stream (the
 corpus repeats, epoch after epoch); the stream is cut into windows of seq_len + 1 tokens. Every rank reads the
@@ -380,12 +380,27 @@ FINGERPRINT_CHUNKS = 16  # chunks of FINGERPRINT_CHUNK bytes, evenly spread over
 FINGERPRINT_CHUNK = 64 * 1024
 
 
-def data_fingerprint(cfg: DataConfig) -> dict:
-    """What the run's documents are made of, comparable across machines: for data=text and jsonl (and data=hf
-    with local data files) each file's name relative to their common directory, its size and a digest of its
-    content (whole up to 1 MiB, else sampled; see the constants above); for pydoc a digest of CPython's docs;
-    nothing for synthetic data and the Hub (a dataset's name is in the config). A resume or a rank that reads
-    other documents than its checkpoint or rank 0 would continue from a position in other text."""
+def data_fingerprint(cfg: DataConfig, tokenizer: Optional[TokenizerConfig] = None) -> dict:
+    """What the run's tokens are made of, comparable across machines: the documents (`_documents`) and the
+    tokenizer file's name, size and digest, read whole (tiktoken's; the byte tokenizer has no file). A resume or a
+    rank that reads other documents than its checkpoint or rank 0 would continue from a position in other text;
+    one with another BPE file would cut the same text into other tokens."""
+    documents = _documents(cfg)
+    if tokenizer is None or tokenizer.name != TokenizerName.tiktoken or tokenizer.path is None:
+        return documents
+    path = os.path.expanduser(tokenizer.path)
+    if not os.path.isfile(path):  # build_tokenizer says so in one line
+        return {**documents, "tokenizer": [os.path.basename(path), None, None]}
+    with open(path, "rb") as f:
+        digest = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+    return {**documents, "tokenizer": [os.path.basename(path), os.path.getsize(path), digest]}
+
+
+def _documents(cfg: DataConfig) -> dict:
+    """For data=text and jsonl (and data=hf with local data files) each file's name relative to their common
+    directory, its size and a digest of its content (whole up to 1 MiB, else sampled; see the constants above);
+    for pydoc a digest of CPython's docs; nothing for synthetic data and the Hub (a dataset's name is in the
+    config)."""
     if cfg.name == DataName.pydoc:
         from pydoc_data.topics import topics
 
@@ -420,8 +435,27 @@ def _content_digest(path: str) -> str:
 
 
 def data_changes(before: dict, after: dict, then: str = "then", now: str = "now", most: int = 3) -> list[str]:
-    """How the documents of fingerprint `after` differ from `before`'s, file by file (the first `most`, and how
-    many more), in words: `then` and `now` name the two sides ("on rank 0", "on rank 1")."""
+    """How the tokens of fingerprint `after` differ from `before`'s: the tokenizer file, then the documents file
+    by file (the first `most`, and how many more), in words: `then` and `now` name the two sides ("on rank 0",
+    "on rank 1"). A fingerprint without a tokenizer (a checkpoint from before they were kept) is not compared on
+    it."""
+    tokenizer = _tokenizer_change(before.get("tokenizer"), after.get("tokenizer"), then, now)
+    return tokenizer + _document_changes({k: v for k, v in before.items() if k != "tokenizer"},
+                                         {k: v for k, v in after.items() if k != "tokenizer"}, then, now, most)
+
+
+def _tokenizer_change(old: Optional[list], new: Optional[list], then: str, now: str) -> list[str]:
+    if old is None or new is None or old[1:] == new[1:]:  # by size and content: a copy of it elsewhere is equal
+        return []
+    (old_name, old_size, _), (name, size, _) = old, new
+    if None in (old_size, size):
+        return [f"the tokenizer file {name if size is None else old_name} is missing {now if size is None else then}"]
+    if old_size != size:
+        return [f"the tokenizer file {old_name} is {old_size:,} bytes {then} and {name} {size:,} {now}"]
+    return [f"the tokenizer file {name} has other content (the same {size:,} bytes)"]
+
+
+def _document_changes(before: dict, after: dict, then: str, now: str, most: int) -> list[str]:
     if before == after:
         return []
     if "files" not in before or "files" not in after:

@@ -333,7 +333,7 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     init_distributed(launch, device, cfg.parallelism.timeout_s)  # once per process: a multirun's jobs share it
     quiet_console(launch.is_main)
     _at("the check that every rank has the same config and data", None)
-    data = data_fingerprint(cfg.data)
+    data = data_fingerprint(cfg.data, cfg.tokenizer)
     check_same_run(resolved(cfg), data, launch)  # before any model
     _at("setup (the run dir, the model, resuming)", None)
     run_dir = _agree_on_run_dir(Path(run_dir), launch)

@@ -38,9 +38,14 @@ def hf_cache_in_tmp(tmp_path, monkeypatch):
         monkeypatch.setattr(sys.modules["datasets"].config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
 
 
-def write_bpe(path, merges=MERGES):
+def write_bpe_text(merges=MERGES) -> str:
+    """A tiktoken BPE file's text: the 256 bytes, then `merges`, each with its rank."""
     tokens = [bytes([b]) for b in range(256)] + merges
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
+    return "".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens))
+
+
+def write_bpe(path, merges=MERGES):
+    path.write_text(write_bpe_text(merges))
     return str(path)
 
 
@@ -475,6 +480,18 @@ def test_the_data_fingerprint_sees_what_a_resume_or_another_node_would_read_diff
     write_jsonl(tmp_path / "j.jsonl", [{"text": "one"}])
     assert list(data_fingerprint(DataConfig(name="jsonl", path=str(tmp_path / "j.jsonl")))["files"]) == ["j.jsonl"]
     assert data_fingerprint(DataConfig(name="synthetic")) == {} == data_fingerprint(DataConfig(name="hf", hf_path="c4"))
+    # a tiktoken file, read whole; a copy elsewhere is equal; a checkpoint from before tokenizers has none
+    tokens = data_fingerprint(DataConfig(name="synthetic"), TokenizerConfig(name="tiktoken",
+                                                                              path=write_bpe(tmp_path / "a.model")))
+    assert data_changes(tokens, data_fingerprint(DataConfig(name="synthetic"), TokenizerConfig(
+        name="tiktoken", path=write_bpe(copy / "tokenizer.model")))) == [] == data_changes({}, tokens)
+    assert data_changes(tokens, data_fingerprint(DataConfig(name="synthetic"), TokenizerConfig(
+        name="tiktoken", path=write_bpe(copy / "b.model", MERGES[:-1]))), then="on rank 0", now="on rank 1") == [
+        f"the tokenizer file a.model is {len(write_bpe_text()):,} bytes on rank 0 and b.model "
+        f"{len(write_bpe_text(MERGES[:-1])):,} on rank 1"]
+    assert data_changes(tokens, data_fingerprint(DataConfig(name="synthetic"), TokenizerConfig(
+        name="tiktoken", path=str(copy / "gone.model")))) == ["the tokenizer file gone.model is missing now"]
+    assert data_fingerprint(DataConfig(name="synthetic"), TokenizerConfig()) == {}  # the byte tokenizer: no file
     pydoc = data_fingerprint(DataConfig(name="pydoc"))
     assert data_changes(pydoc, {"pydoc": "other"}) == ["CPython's pydoc topics differ (another Python version now "
                                                        "than then?)"]

@@ -157,12 +157,17 @@ def test_a_resume_applies_optimizer_changes_and_allows_ac_changes(checkpointed, 
 def test_a_resume_over_changed_data_is_refused_unless_allowed(tmp_path, caplog):
     """The same data.path with a file edited since the checkpoint: the saved position would point into other
     text. Refused in one line naming the file, nothing lost; checkpoint.allow_data_change=true resumes and says
-    what changed."""
+    what changed. The same for another BPE file at the same tokenizer.path: other tokens from the same text."""
+    from tests.test_data import write_bpe
+
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i, doc in enumerate(["The first document, long enough for a few windows. " * 4, "A second one. " * 8]):
         (corpus / f"{i}.txt").write_text(doc)
-    run_dir, run = tmp_path / "run", (*RUN, "data=text", f"data.path={corpus}")
+    bpe = tmp_path / "tokenizer.model"
+    write_bpe(bpe)
+    run_dir, run = tmp_path / "run", (*RUN, "data=text", f"data.path={corpus}", "tokenizer=llama3",
+                                      f"tokenizer.path={bpe}", "model.vocab_size=516")
     train_here(run_dir, *run, "train.steps=2")
     assert train_here(run_dir, *run, "train.steps=3")["status"] == "completed"  # unchanged: resumes
     before, was = (run_dir / "metrics.jsonl").read_text(), (corpus / "0.txt").stat().st_size
@@ -180,6 +185,12 @@ def test_a_resume_over_changed_data_is_refused_unless_allowed(tmp_path, caplog):
     assert summary["status"] == "completed" and [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
     assert any(f"resuming over changed data (checkpoint.allow_data_change=true): {change}" in r.getMessage()
                for r in caplog.records)
+    bpe.write_text(bpe.read_text().replace("YQ== 97", "Yg== 9x").replace("Yg== 98", "YQ== 98").replace("9x", "97"))
+    # "a" and "b" swap ranks: the same size, other content
+    with pytest.raises(UserError, match=r"^checkpoint.resume='auto': the data changed since the checkpoint at step 4 "
+                                        r"\(the tokenizer file tokenizer.model has other content \(the same "):
+        train_here(run_dir, *run, "train.steps=5")
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
 
 
 def test_steps_below_the_checkpoint_are_refused(checkpointed, caplog):
