@@ -392,8 +392,8 @@ def data_fingerprint(cfg: DataConfig, tokenizer: Optional[TokenizerConfig] = Non
     if not os.path.isfile(path):  # build_tokenizer says so in one line
         return {**documents, "tokenizer": [os.path.basename(path), None, None]}
     with open(path, "rb") as f:
-        digest = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
-    return {**documents, "tokenizer": [os.path.basename(path), os.path.getsize(path), digest]}
+        content = f.read()
+    return {**documents, "tokenizer": [os.path.basename(path), len(content), _digest(content)]}
 
 
 def _documents(cfg: DataConfig) -> dict:
@@ -404,8 +404,7 @@ def _documents(cfg: DataConfig) -> dict:
     if cfg.name == DataName.pydoc:
         from pydoc_data.topics import topics
 
-        text = "\0".join(f"{key}\0{topics[key]}" for key in sorted(topics)).encode()
-        return {"pydoc": hashlib.blake2b(text, digest_size=16).hexdigest()}
+        return {"pydoc": _digest("\0".join(f"{key}\0{topics[key]}" for key in sorted(topics)).encode())}
     if cfg.name in (DataName.text, DataName.jsonl):
         files = _resolve_files(cfg.path, ".txt" if cfg.name == DataName.text else ".jsonl")
     elif cfg.name == DataName.hf and cfg.hf_data_files:
@@ -422,16 +421,19 @@ def _documents(cfg: DataConfig) -> dict:
 
 def _content_digest(path: str) -> str:
     size = os.path.getsize(path)
-    whole = FINGERPRINT_CHUNKS * FINGERPRINT_CHUNK
-    digest = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
-        if size <= whole:
-            digest.update(f.read())
-        else:
-            for offset in np.linspace(0, size - FINGERPRINT_CHUNK, FINGERPRINT_CHUNKS).astype(np.int64).tolist():
-                f.seek(offset)
-                digest.update(f.read(FINGERPRINT_CHUNK))
-    return digest.hexdigest()
+        if size <= FINGERPRINT_CHUNKS * FINGERPRINT_CHUNK:
+            return _digest(f.read())
+        chunks = []
+        for offset in np.linspace(0, size - FINGERPRINT_CHUNK, FINGERPRINT_CHUNKS).astype(np.int64).tolist():
+            f.seek(offset)
+            chunks.append(f.read(FINGERPRINT_CHUNK))
+    return _digest(b"".join(chunks))
+
+
+def _digest(content: bytes) -> str:
+    """The fingerprint's digest of some bytes (128-bit BLAKE2b: collisions are not a concern here)."""
+    return hashlib.blake2b(content, digest_size=16).hexdigest()
 
 
 def data_changes(before: dict, after: dict, then: str = "then", now: str = "now", most: int = 3) -> list[str]:

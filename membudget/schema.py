@@ -357,8 +357,9 @@ class CheckpointConfig:
     """Starting fresh in a run dir that holds a finished run (or with resume=never over any run) is refused
     unless true; then that run's files move to <run dir>/archived/<time>/."""
     allow_data_change: bool = False
-    """A resume whose data files differ from those the checkpoint was trained on (a file added, removed or
-    edited: its position would point into other text) is refused unless true; then the change is logged."""
+    """A resume whose data files or tokenizer file differ from those the checkpoint was trained on (a file added,
+    removed or edited: its position would point into other text or other tokens) is refused unless true; then the
+    change is logged."""
     timeout_s: Optional[int] = None
     """How long a save's barriers wait for the slowest rank; null: sized from the checkpoint's bytes at
     write_gbps."""
