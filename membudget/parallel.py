@@ -37,7 +37,7 @@ from membudget.offload import OffloadedBlock
 from membudget.internals import wait_tensor
 from membudget.launch import Launch
 from membudget.rules import compile_enabled, mesh_degrees
-from membudget.schema import FSDPOuter, TrainDType
+from membudget.schema import FSDPOuter, Reshard, TrainDType
 
 
 def build_mesh(p, launch: Launch, device: torch.device) -> Optional[DeviceMesh]:
@@ -131,15 +131,22 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, cfg, device: torch.device)
     else:
         def shard(modules, **reshard):
             return fully_shard(modules, mesh=dp_mesh, mp_policy=mp, **reshard)
+    policy = cfg.parallelism.reshard_after_forward
+
+    def reshards(needed_at_once: bool) -> bool:
+        """Whether a group frees its gathered parameters after forward; `needed_at_once`: its backward follows its
+        forward at once (the last block, [final norm, output]), so by default it stays gathered."""
+        return policy == Reshard.always or (policy == Reshard.default and not needed_at_once)
+
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
-        shard(block, reshard_after_forward=i < len(blocks) - 1)
+        shard(block, reshard_after_forward=reshards(i == len(blocks) - 1))
     if cfg.parallelism.fsdp_outer == FSDPOuter.split:
         if model.args.tie_embeddings:
-            shard([model.tok_embeddings, model.norm, model.output], reshard_after_forward=False)
+            shard([model.tok_embeddings, model.norm, model.output], reshard_after_forward=reshards(True))
         else:
-            shard(model.tok_embeddings)
-            shard([model.norm, model.output], reshard_after_forward=False)
+            shard(model.tok_embeddings, reshard_after_forward=reshards(False))
+            shard([model.norm, model.output], reshard_after_forward=reshards(True))
     # the root runs the lazy init and holds what no group took; FSDP2 keeps it gathered after forward
     shard(model)
 

@@ -50,6 +50,14 @@ class FSDPOuter(Choice):
     root = "root"
 
 
+class Reshard(Choice):
+    """Which FSDP2 groups free their gathered parameters after forward and gather them again for backward."""
+
+    default = "default"
+    always = "always"
+    never = "never"
+
+
 class CompileBackend(Choice):
     inductor = "inductor"
     aot_eager_decomp_partition = "aot_eager_decomp_partition"
@@ -253,6 +261,12 @@ class ParallelismConfig:
     gradient is reduced as soon as that backward ends. root: all three in the root group (as torchtitan groups
     them), gathered through the whole step and reduced after the embedding's backward: the output's gradient is
     held through the backward of every block."""
+    reshard_after_forward: Reshard = Reshard.default
+    """FSDP2's memory-for-communication trade (torchtitan's reshard_after_forward_policy). default: every group but
+    the last block and [final norm, output] frees its gathered parameters after forward and gathers them again for
+    backward (those two are needed again at once). always: every group does. never: none does, so each block's
+    gathered parameters stay from its forward to its backward (one all-gather per block per step instead of two).
+    The root group stays gathered in each."""
     timeout_s: int = 600
     """Collectives that wait longer than this fail instead of hanging (a rank died, a node was lost)."""
 

@@ -72,6 +72,17 @@ def test_a_plan_of_a_run_with_the_profile_estimator_says_it_assumed_flops(tmp_pa
     assert "ac.runtime_estimator" not in plan_markdown(plan())  # a flops run's plan: nothing to say
 
 
+@pytest.mark.slow
+def test_a_plan_names_fsdps_reshard_policy_where_it_is_not_the_default():
+    from membudget.plan.report import plan_markdown
+
+    never = plan_setting(compose_cfg(*SMALL, "parallelism=fsdp", "parallelism.reshard_after_forward=never"),
+                         world_size=2)
+    assert never.setting.reshard_after_forward == "never"
+    assert "parallelism.reshard_after_forward=never" in plan_markdown(never)
+    assert "reshard_after_forward" not in plan_markdown(plan())  # one process: nothing is sharded
+
+
 def test_auto_says_what_would_fit_when_no_budget_does():
     plans = [plan(f"memory_budget {b}", b, verdict="does not fit") for b in SWEEP_BUDGETS]
     plans.append(plan("full", None, verdict="does not fit"))

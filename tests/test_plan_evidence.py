@@ -47,14 +47,23 @@ def test_reserved_peaks_are_within_the_stated_uncertainty_of_what_was_measured(p
 def test_expandable_segments_read_as_measured_where_the_launcher_set_them(planned):
     """torchtitan's runs on 8 H100s whose commands or logs show its single-node script, which sets expandable
     segments (the tt2502 rows): within issue 23's 3 % under them, and closer than under the default allocator, so
-    the allocator model tells the two apart on FSDP2's 8 ranks."""
-    launched = [row for row in rows() if row.id.startswith("tt2502-")]
-    assert len(launched) == 2
-    for row in launched:
+    the allocator model tells the two apart on FSDP2's 8 ranks. Three of them are one run under each of FSDP's
+    reshard policies (PR #822): the plan moves with each as the measured peak did (never keeps every block's
+    gathered parameters from its forward to its backward, +12.6 GiB; always frees the last block's too)."""
+    launched = {row.id: row for row in rows() if row.id.startswith("tt2502-")}
+    assert len(launched) == 4
+    for row in launched.values():
         plan = planned[row.id]
         assert row.fields["allocator"] == "expandable" and plan.setting.allocator.startswith("expandable")
         as_run, other = error(plan.reserved_peak, row.measured), error(plan.reserved_other.nbytes, row.measured)
         assert abs(as_run) <= 0.03 and abs(as_run) < abs(other), (row.id, as_run, other)
+    default = "tt2502-8b-b1-eager"
+    for policy in ("never", "always"):
+        row = f"tt2502-8b-b1-{policy}"
+        assert planned[row].setting.reshard_after_forward == policy
+        measured = launched[row].measured - launched[default].measured
+        moved = planned[row].reserved_peak - planned[default].reserved_peak
+        assert moved * measured > 0 and abs(moved - measured) < 0.1 * GiB, (row, moved / GiB, measured / GiB)
 
 
 @pytest.mark.slow

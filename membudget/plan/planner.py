@@ -192,7 +192,8 @@ class Planner:
             compile=compiled, configured_backend=str(self.cfg.compile.backend),
             planned_backend=str(CompileBackend.aot_eager_decomp_partition) if compiled else None,
             allocator="expandable segments" if self.expandable else "default",
-            runtime_estimator=str(self.cfg.ac.runtime_estimator))
+            runtime_estimator=str(self.cfg.ac.runtime_estimator),
+            reshard_after_forward=str(cfg.parallelism.reshard_after_forward))
 
 
 def _budget_value(ac):

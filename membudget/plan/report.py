@@ -32,6 +32,13 @@ def _estimator_words(plan: Plan) -> str:
             f"train with flops to get what is planned.")
 
 
+def _reshard_words(setting) -> str:
+    """FSDP2's reshard policy, where one applies (sharded groups) and it is not the default."""
+    if setting.dp_shard == 1 or setting.reshard_after_forward == "default":
+        return ""
+    return f"; parallelism.reshard_after_forward={setting.reshard_after_forward}"
+
+
 def _verdict(plan: Plan) -> str:
     return plan.verdict.upper() if plan.verdict == DOES_NOT_FIT else plan.verdict
 
@@ -54,7 +61,7 @@ def plan_markdown(plan: Plan) -> str:
         f"**{_verdict(plan)}**: {plan.verdict_reason}.",
         "",
         f"Device: {d.name} ({d.reason}). Each of {s.world_size} ranks alike (dp_replicate {s.dp_replicate}, "
-        f"dp_shard {s.dp_shard}, tp {s.tp}; FSDP2 pads every shard to one size); micro-batch "
+        f"dp_shard {s.dp_shard}, tp {s.tp}; FSDP2 pads every shard to one size{_reshard_words(s)}); micro-batch "
         f"{s.micro_batch} x {s.seq_len} tokens, {s.grad_accumulation} per step; {s.dtype}, {s.attention} attention; "
         f"{_compile_words(plan)}; planned in {plan.seconds:.1f} s.{_estimator_words(plan)}",
         "",

@@ -56,6 +56,7 @@ class Setting:
     allocator: str  # "default" | "expandable segments"
     # ac.runtime_estimator as configured; plans always price recompute by FLOPs ("profile" times kernels)
     runtime_estimator: str = "flops"
+    reshard_after_forward: str = "default"  # parallelism.reshard_after_forward: which FSDP2 groups regather
 
 
 @dataclass(frozen=True)
