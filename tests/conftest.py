@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -27,7 +26,6 @@ from membudget.launch import register_configs
 # and on a machine whose cores are busy (pytest-xdist's other worker, a torchrun job's ranks, another user) a
 # second thread makes every op wait for a descheduled one: 10x slower steps were measured on 2 shared cores.
 THREADS = 1
-torch.set_num_threads(THREADS)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -152,9 +150,21 @@ def pytest_collection_finish(session):
     collect_rarely()
 
 
+def pytest_configure(config):
+    """torch at THREADS threads in each process that runs tests. pytest-xdist's controller runs none: it does not
+    import torch (1.9 CPU-s before the workers start)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    import torch
+
+    torch.set_num_threads(THREADS)
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads():
     """A test that changes torch's thread count gets it back afterwards: it does not leak into later tests."""
+    import torch
+
     yield
     if torch.get_num_threads() != THREADS:
         torch.set_num_threads(THREADS)
