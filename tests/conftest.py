@@ -1,5 +1,6 @@
-"""Shared test helpers: compose the real Hydra config, train in this process, or run the real train.py as a
-subprocess where the process is the point (signals, exit codes, torchrun, SLURM)."""
+"""Shared test helpers: compose the real Hydra config, train in this process, run ranks under torchrun's own
+launcher from this process (run_ranks), or run the real train.py as a subprocess where the process is the point
+(signals, exit codes, torchrun's command line, SLURM)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,16 @@ import functools
 import gc
 import json
 import logging
+import multiprocessing
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -96,6 +103,93 @@ def multirun_here(sweep: Path, *overrides: str) -> None:
     """`python train.py -m hydra.sweep.dir=<sweep> <overrides>` run in this process (Hydra's basic launcher runs
     the jobs in its own process anyway)."""
     train_py_here("-m", f"hydra.sweep.dir={sweep}", *overrides)
+
+
+@dataclass
+class Ranks:
+    """What a run_ranks launch left: its exit status (0, or 1 if a rank failed), each rank's return value, and
+    what each rank wrote on its stdout (where Hydra's console log goes) and stderr."""
+
+    returncode: int
+    returns: dict[int, object]
+    failure: str  # torchrun's report of the failed ranks
+    outputs: list[tuple[str, str]]  # (stdout, stderr) by rank
+
+    @property
+    def stdout(self) -> str:
+        """Rank 0's."""
+        return self.outputs[0][0]
+
+    @property
+    def console(self) -> str:
+        """What torchrun's console would show: every rank's output, rank by rank."""
+        return "".join(out + err for out, err in self.outputs)
+
+    @property
+    def log(self) -> str:
+        """What to read when it failed."""
+        return self.failure + self.console
+
+
+# Forked by every run_ranks rank: what the ranks import is imported once, by the fork server.
+_RANK_IMPORTS = ["torch", "membudget.trainer", "train", "tests.conftest", "tests.checkpoint_driver",
+                 "tests.plan_real_step"]
+
+
+def run_ranks(nproc: int, entry, *args, cwd: Path) -> Ranks:
+    """`torchrun --standalone --nproc-per-node N` of `entry(*args)` (a module-level function) in the dir `cwd`:
+    torchrun's own launcher (`elastic_launch`: rendezvous, agent, a process per rank, a failed rank named), run
+    from this process. Each rank is forked from multiprocessing's fork server, which imports torch and the
+    trainer once per test worker, where a new interpreter per rank imports them again (2.7 CPU-s a rank, and
+    1.5 s for torchrun's own process). For the tests whose point is the ranks, not torchrun's command line."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    multiprocessing.set_forkserver_preload(_RANK_IMPORTS)  # read when the server starts, the first launch
+    logs = Path(tempfile.mkdtemp(prefix="ranks-"))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=logs.name, rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.05,
+                          start_method="forkserver", logs_specs=DefaultLogsSpecs(log_dir=logs, redirects=Std.ALL))
+    # the agent sets its own handlers from the main thread (only), which would outlive it in this process
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        returns, returncode, failure = elastic_launch(config, _in_rank)(entry, Path(cwd), *args), 0, ""
+    except ChildFailedError as e:
+        returns, returncode, failure = {}, 1, e.format_msg()
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+    def output(rank: int, stream: str) -> str:
+        return "".join(f.read_text(errors="replace") for f in logs.glob(f"**/attempt_0/{rank}/{stream}.log"))
+
+    ranks = Ranks(returncode, returns, failure, [(output(rank, "stdout"), output(rank, "stderr"))
+                                                 for rank in range(nproc)])
+    shutil.rmtree(logs, ignore_errors=True)
+    return ranks
+
+
+def _in_rank(entry, cwd: Path, *args):
+    """A rank of run_ranks: as subprocess_env would start it, in `cwd`."""
+    import torch
+
+    for key in [k for k in os.environ if k == "WANDB_SERVICE" or k.startswith("SLURM_")]:
+        del os.environ[key]
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    os.chdir(cwd)
+    try:
+        return entry(*args)
+    finally:  # into this rank's log files, which torchrun's launcher unhooks before Python's exit would flush
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def train_py_ranks(nproc: int, cwd: Path, *args: str) -> Ranks:
+    """`torchrun --standalone --nproc-per-node N train.py <args>` in `cwd` (see run_ranks)."""
+    return run_ranks(nproc, train_py_here, *args, cwd=cwd)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Real training steps of the debug model on CPU, measured by torch's MemTracker, for the planner's exactness tests:
-in this process (`real_steps`), or over two gloo processes under torchrun (run as a script: one JSON line per
-setting on rank 0, each setting's overrides given as one argument)."""
+in this process (`real_steps`), or over two gloo processes under torchrun (`main` in each rank, or run as a script:
+one JSON line per setting on rank 0, each setting's overrides given as one argument)."""
 
 from __future__ import annotations
 
@@ -135,20 +135,24 @@ def _two_steps(cfg, mesh) -> tuple[dict, bool]:
     }, exact
 
 
-def main() -> None:
+def main(*settings: str) -> list[dict]:
+    """A rank's real steps of each setting (its overrides as one string): what rank 0 measured, [] on the others."""
     from membudget.launch import init_distributed, launch_from_env
     from membudget.parallel import build_mesh
     from tests.conftest import compose_cfg
 
+    collect_rarely()  # as train.py's processes collect
     launch = launch_from_env()
     init_distributed(launch, CPU)
-    for overrides in sys.argv[1:]:
+    measured = []
+    for overrides in settings:
         cfg = compose_cfg(*overrides.split())
         real = real_steps(cfg, build_mesh(cfg.parallelism, launch, CPU))
         if launch.rank == 0:
-            print(json.dumps({"overrides": overrides, **real}), flush=True)
+            measured.append({"overrides": overrides, **real})
+    return measured
 
 
 if __name__ == "__main__":
-    collect_rarely()  # as train.py's processes collect
-    main()
+    for setting in main(*sys.argv[1:]):
+        print(json.dumps(setting), flush=True)

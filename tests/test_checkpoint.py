@@ -9,8 +9,6 @@ import logging
 import os
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +19,9 @@ import membudget.checkpoint as checkpoint_module
 from membudget.checkpoint import MANIFEST, Checkpointer, config_changes, read_train_state, verify
 from membudget.errors import UserError
 from membudget.schema import CheckpointConfig
+from tests import checkpoint_driver
 from tests.checkpoint_driver import SMALL, Run, scope
-from tests.conftest import FAST_COMPILE, ROOT, compose_cfg, read_metrics, subprocess_env, train_here
+from tests.conftest import FAST_COMPILE, compose_cfg, read_metrics, run_ranks, train_here, train_py_ranks
 
 
 @pytest.mark.parametrize("ac", ["ac=none", pytest.param("ac=full", marks=pytest.mark.slow),
@@ -262,11 +261,8 @@ def test_config_changes_are_classified():
 @pytest.mark.slow
 @pytest.mark.dist
 def test_fsdp_checkpoint_is_sharded_and_resumes_bitwise_under_torchrun(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "tests.checkpoint_driver", str(tmp_path), "parallelism=fsdp"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=subprocess_env(),
-                          stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_ranks(2, checkpoint_driver.main, tmp_path, "parallelism=fsdp", cwd=tmp_path)
+    assert proc.returncode == 0, proc.log[-4000:]
     for rank in (0, 1):
         losses = json.loads((tmp_path / f"losses_rank{rank}.json").read_text())
         assert losses["resumed"] == losses["uninterrupted"], rank
@@ -293,11 +289,9 @@ def test_a_run_resumes_on_another_world_size_with_the_losses_of_one_uninterrupte
     common = ["logger=none", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
               "data.prefetch=0", "model.n_layers=2", "train.progress=lines"]
     run = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(ROOT / "train.py"),
-         f"hydra.run.dir={run}", "parallelism=fsdp", *common, "train.steps=3", "checkpoint.every_steps=3"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=subprocess_env(), stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = train_py_ranks(2, tmp_path, f"hydra.run.dir={run}", "parallelism=fsdp", *common, "train.steps=3",
+                          "checkpoint.every_steps=3")
+    assert proc.returncode == 0, proc.log[-4000:]
     saved = run / "checkpoints" / "step_0000003"
     assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # sharded by two
     with caplog.at_level(logging.INFO, logger="membudget"):

@@ -2,12 +2,9 @@
 every AC mode and matches the single-process loss curve of the same global batch; FSDP halves what each rank
 holds; only rank 0 writes artefacts and speaks on the console."""
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import FAST_COMPILE, ROOT, read_metrics, read_summary, subprocess_env, train_here
+from tests.conftest import FAST_COMPILE, read_metrics, read_summary, train_here, train_py_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -16,12 +13,9 @@ SMALL = ["train.steps=3", "train.seq_len=32", "train.global_batch_size=4", "logg
          "data.prefetch=0", "checkpoint.enabled=false"]
 
 
-def torchrun(sweep_dir, nproc, *overrides, timeout=420):
+def torchrun(sweep_dir, nproc, *overrides):
     """`torchrun --nproc-per-node N train.py -m ...`: each rank runs the same sweep, job after job."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(ROOT / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}", *overrides]
-    return subprocess.run(cmd, cwd=sweep_dir.parent, capture_output=True, text=True, timeout=timeout,
-                          env=subprocess_env(), stdin=subprocess.DEVNULL)
+    return train_py_ranks(nproc, sweep_dir.parent, "-m", f"hydra.sweep.dir={sweep_dir}", *overrides)
 
 
 class _Reference(dict):
@@ -78,10 +72,10 @@ def _check_sweep(sweep, single, nproc: int, jobs: int, tie: str, batch: int = 4)
 def test_two_ranks_ddp_fsdp_tp_match_one_process(tmp_path, single):
     sweep = tmp_path / "sweep"
     proc = torchrun(sweep, 2, "parallelism=ddp,fsdp,tp", f"+ac_point={POINTS}", "train.micro_batch_size=1", *sized(4))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.log[-4000:]
     dirs = _check_sweep(sweep, single, 2, 12, "false")
     # rank 0 alone speaks on the console: each step line once per job, not once per rank
-    assert (proc.stdout + proc.stderr).count("step 3 | loss") == len(dirs)
+    assert proc.console.count("step 3 | loss") == len(dirs)
     whole = {p: read_summary(single[p, "false", 4]) for p in POINTS.split(",")}
     for job in dirs:
         summary = read_summary(job)
@@ -103,5 +97,5 @@ def test_four_ranks_hsdp_and_fsdp_tp_with_tied_embeddings_match_one_process(tmp_
     proc = torchrun(sweep, 4, "parallelism=hsdp,fsdp_tp", "parallelism.dp_shard=2", "+ac_point=budget_0.5",
                     "parallelism.reshard_after_forward=never", "model.tie_embeddings=true",
                     "train.micro_batch_size=1", *sized(8))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.log[-4000:]
     _check_sweep(sweep, single, 4, 2, "true", batch=8)

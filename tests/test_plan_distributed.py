@@ -5,17 +5,15 @@ the last one, synced, it read 2.4x the real peak), and FSDP2 with the embedding,
 root group, as torchtitan groups them, and no block resharded after forward (each block's gathered parameters
 held to its backward: eight blocks planned from five again)."""
 
-import json
-import os
-import subprocess
-import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from membudget.plan import plan_setting
-from tests.conftest import FAST_COMPILE, ROOT, compose_cfg
+from tests import plan_real_step
+from tests.conftest import FAST_COMPILE, compose_cfg, run_ranks
 
 TWO_RANKS = ["logger=none", "train.device=cpu", FAST_COMPILE, "train.seq_len=64"]
 SETTINGS = {"fsdp": ["parallelism=fsdp", "ac=memory_budget", "ac.memory_budget=0.5", "model.n_layers=8",
@@ -29,18 +27,15 @@ SETTINGS = {"fsdp": ["parallelism=fsdp", "ac=memory_budget", "ac.memory_budget=0
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_plans_match_real_two_rank_steps():
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(ROOT / "tests" / "plan_real_step.py"), *(" ".join(TWO_RANKS + s) for s in SETTINGS.values())],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    # planned while the real ranks run (they mostly wait on each other)
-    plans = {name: plan_setting(compose_cfg(*TWO_RANKS, *overrides), world_size=2)
-             for name, overrides in SETTINGS.items()}
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    real = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+def test_plans_match_real_two_rank_steps(tmp_path):
+    settings = [" ".join(TWO_RANKS + s) for s in SETTINGS.values()]
+    with ThreadPoolExecutor(1) as pool:  # planned while the real ranks run (they mostly wait on each other)
+        ranks = pool.submit(run_ranks, 2, plan_real_step.main, *settings, cwd=tmp_path)
+        plans = {name: plan_setting(compose_cfg(*TWO_RANKS, *overrides), world_size=2)
+                 for name, overrides in SETTINGS.items()}
+        proc = ranks.result()
+    assert proc.returncode == 0, proc.log[-3000:]
+    real = proc.returns[0]
     assert len(real) == len(SETTINGS)
     for (name, plan), measured in zip(plans.items(), real):
         assert plan.activations == measured["activations"], name
@@ -58,9 +53,7 @@ def test_the_real_step_tracker_knows_when_a_late_free_on_another_thread_may_rais
     """What gloo's worker threads do to a real step, in one process: a Work's last reference to a storage that the
     main thread has finished with, dropped on another thread. Only a free off the main thread that lands after a
     later allocation makes `peak_is_exact` false, and then it does."""
-    from tests.plan_real_step import CompiledMemTracker
-
-    tracker = CompiledMemTracker()
+    tracker = plan_real_step.CompiledMemTracker()
     with tracker:
         held = [torch.ones(1000)]
         held[0] * 2  # its last use
