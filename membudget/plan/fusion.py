@@ -16,6 +16,12 @@ def fusable(op: Op) -> bool:
     return op.kind not in (GEMM, ATTENTION, VIEW, FALLBACK) and op.collective is None
 
 
+def free_view(op: Op) -> bool:
+    """A view, which is no kernel and moves nothing; a collective's wait is recorded as a view of its buffer and
+    is not one."""
+    return op.kind == VIEW and op.collective is None
+
+
 def fused_kernels(graph: list[Op]) -> list[list[Op]]:
     """The kernels inductor makes of one compiled graph call's ops, in order of their first op: each anchor
     (GEMM, attention, collective, fallback) its own; memory-bound ops joined with their producers and consumers
@@ -55,7 +61,7 @@ def fused_kernels(graph: list[Op]) -> list[list[Op]]:
             producer[key] = i
     groups: dict[int, list[Op]] = {}
     for i, op in enumerate(graph):
-        if op.kind == VIEW and op.collective is None:
+        if free_view(op):
             continue
         groups.setdefault(root(i) if fused[i] else -1 - i, []).append(op)
     return sorted(groups.values(), key=lambda ops: graph.index(ops[0]))
@@ -87,7 +93,7 @@ def fused_intermediates(run: Run) -> set[int]:
     ops = [op for segment in run.segments.values() for op in segment.ops]
     readers: dict[int, set[int]] = {}
     for i, op in enumerate(ops):
-        if op.kind == VIEW and op.collective is None and op.name != GRAPH_OUTPUTS:
+        if free_view(op) and op.name != GRAPH_OUTPUTS:
             continue
         for key, _ in op.reads:
             readers.setdefault(key, set()).add(i)
