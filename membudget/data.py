@@ -342,9 +342,8 @@ def _hf_documents(cfg: DataConfig, start: int) -> Iterator[str]:
             f"use {hub_options}, or data.hf_path=json data.hf_data_files=<local .jsonl>"
         )
     try:
-        ds = datasets.load_dataset(
-            cfg.hf_path, name=cfg.hf_name, data_files=cfg.hf_data_files, split=cfg.split, streaming=cfg.streaming
-        )
+        ds = datasets.load_dataset(cfg.hf_path, name=cfg.hf_name, data_files=cfg.hf_data_files, split=cfg.split,
+                                   streaming=cfg.streaming, revision=cfg.hf_revision)
     except ConnectionError as e:
         local = ", ".join(option_for("data", "name", name) for name in (DataName.text, DataName.jsonl))
         raise UserError(
@@ -434,6 +433,16 @@ def _content_digest(path: str) -> str:
 def _digest(content: bytes) -> str:
     """The fingerprint's digest of some bytes (128-bit BLAKE2b: collisions are not a concern here)."""
     return hashlib.blake2b(content, digest_size=16).hexdigest()
+
+
+def unpinned_hub_data(cfg: DataConfig) -> Optional[str]:
+    """A line for a run that reads a Hub dataset at no fixed revision, whose files its resume (or a node started
+    later) may find changed: the fingerprint has no files of it to compare."""
+    if cfg.name != DataName.hf or cfg.hf_data_files or cfg.hf_revision or not cfg.hf_path:
+        return None
+    return (f"data.hf_revision=None: data.hf_path={cfg.hf_path} is read at its main branch, which may change before "
+            f"a resume or between nodes; set data.hf_revision=<commit> (the dataset's commit history on the Hub) to "
+            f"read the same files each time")
 
 
 def data_changes(before: dict, after: dict, then: str = "then", now: str = "now", most: int = 3) -> list[str]:

@@ -293,6 +293,10 @@ class DataConfig:
     """hf: the dataset's config name (en, sample-10BT)."""
     hf_data_files: Optional[str] = None
     """hf: local files for a builder such as json."""
+    hf_revision: Optional[str] = None
+    """hf: the Hub dataset's revision (a commit hash, a tag or a branch); null: its main branch, whose files may
+    change between a run and its resume, or between nodes that start apart. A resume over another revision is
+    refused like any other change of data.hf_*."""
     split: str = "train"
     streaming: bool = True
     """hf: stream instead of downloading the whole dataset first."""

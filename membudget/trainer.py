@@ -30,7 +30,7 @@ from membudget.ac import compiler_scope
 from membudget.checkpoint import Checkpointer, config_changes, save_seconds
 from membudget.collector import scheduled_gc
 from membudget.data import (Prefetcher, TokenBatches, build_tokenizer, data_changes, data_fingerprint,
-                            vocab_size_check)
+                            unpinned_hub_data, vocab_size_check)
 from membudget.diagnostics import Diagnostics
 from membudget.console import quiet_log_file_errors
 from membudget.errors import Stopped, UserError
@@ -334,6 +334,8 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     quiet_console(launch.is_main)
     _at("the check that every rank has the same config and data", None)
     data = data_fingerprint(cfg.data, cfg.tokenizer)
+    if unpinned := unpinned_hub_data(cfg.data):
+        log.warning(unpinned)
     check_same_run(resolved(cfg), data, launch)  # before any model
     _at("setup (the run dir, the model, resuming)", None)
     run_dir = _agree_on_run_dir(Path(run_dir), launch)

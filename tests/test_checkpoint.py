@@ -252,8 +252,9 @@ def test_config_changes_are_classified():
     new["train"]["steps"] = 20
     new["ac"]["mode"] = "full"
     new["data"]["prefetch"] = 0
+    new["data"]["hf_revision"] = "1b2c3d4"  # another revision of a Hub dataset: other files
     refused, applied, allowed = config_changes(old, new)
-    assert refused == ["model.n_layers: 4 -> 2", "train.seq_len: 64 -> 32"]
+    assert refused == ["data.hf_revision: None -> '1b2c3d4'", "model.n_layers: 4 -> 2", "train.seq_len: 64 -> 32"]
     assert applied == ["optimizer.lr: 0.001 -> 0.002", "train.steps: 10 -> 20"]
     assert allowed == ["ac.mode: 'none' -> 'full'", "data.prefetch: 2 -> 0"]
 

@@ -19,6 +19,7 @@ from membudget.data import (
     TokenBatches,
     build_tokenizer,
     iter_documents,
+    unpinned_hub_data,
     vocab_size_check,
 )
 from membudget.errors import UserError
@@ -180,6 +181,18 @@ def test_hf_json_builder_on_local_file(tmp_path, streaming):
     cfg = DataConfig(name="hf", hf_path="json", hf_data_files=data, streaming=streaming)
     assert list(iter_documents(cfg)) == [f"doc {i}" for i in range(4)]
     assert list(iter_documents(cfg, start=3)) == ["doc 3"]
+    # a revision reaches load_dataset, which a builder of local files ignores
+    cfg.hf_revision = "v1"
+    assert list(iter_documents(cfg, start=3)) == ["doc 3"]
+
+
+def test_a_hub_dataset_read_at_no_revision_is_named_with_the_fix():
+    """Its files may change before a resume, and the fingerprint has none of them to compare."""
+    line = unpinned_hub_data(compose_cfg("data=c4").data)
+    assert line.startswith("data.hf_revision=None: data.hf_path=allenai/c4 ") and "data.hf_revision=<commit>" in line
+    assert unpinned_hub_data(compose_cfg("data=c4", "data.hf_revision=1b2c3d4").data) is None
+    assert unpinned_hub_data(DataConfig(name="hf", hf_path="json", hf_data_files="d.jsonl")) is None
+    assert unpinned_hub_data(compose_cfg().data) is None
 
 
 def test_hf_without_network_is_a_user_error(monkeypatch):
