@@ -29,7 +29,7 @@ from hydra.core.global_hydra import GlobalHydra
 from membudget.collector import collect_rarely
 from membudget.launch import register_configs
 
-# One intra-op thread, as the subprocesses get (OMP_NUM_THREADS=1 in subprocess_env): the models here are tiny,
+# One intra-op thread, as the subprocesses get (OMP_NUM_THREADS in _CHILD_SETTINGS): the models here are tiny,
 # and on a machine whose cores are busy (pytest-xdist's other worker, a torchrun job's ranks, another user) a
 # second thread makes every op wait for a descheduled one: 10x slower steps were measured on 2 shared cores.
 THREADS = 1
@@ -172,13 +172,13 @@ def run_ranks(nproc: int, entry, *args, cwd: Path) -> Ranks:
 
 
 def _in_rank(entry, cwd: Path, *args):
-    """A rank of run_ranks: as subprocess_env would start it, in `cwd`."""
+    """A rank of run_ranks: in `cwd`, with subprocess_env's settings (its launcher's variables are its own)."""
     import torch
 
-    for key in [k for k in os.environ if k == "WANDB_SERVICE" or k.startswith("SLURM_")]:
+    for key in [k for k in os.environ if _test_only(k)]:
         del os.environ[key]
-    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    os.environ.update(_CHILD_SETTINGS)
+    torch.set_num_threads(THREADS)
     os.chdir(cwd)
     try:
         return entry(*args)
@@ -192,14 +192,24 @@ def train_py_ranks(nproc: int, cwd: Path, *args: str) -> Ranks:
     return run_ranks(nproc, train_py_here, *args, cwd=cwd)
 
 
+# What a child `train.py` (a subprocess or a run_ranks rank) runs with: W&B offline and quiet, THREADS threads.
+_CHILD_SETTINGS = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1",
+                   "OMP_NUM_THREADS": str(THREADS)}
+
+
+def _test_only(key: str) -> bool:
+    """A variable of this process's environment that no child may inherit: this process's W&B service (a child
+    gets its own), an enclosing SLURM job's."""
+    return key == "WANDB_SERVICE" or key.startswith("SLURM_")
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """This environment for a child `train.py`: W&B offline and quiet, with a W&B service of its own, and no
-    launcher variables of an enclosing torchrun or SLURM job."""
+    """This environment for a child `train.py`: _CHILD_SETTINGS, and no variables of this process's W&B service
+    or of an enclosing torchrun or SLURM job."""
     env = {k: v for k, v in os.environ.items()
-           if k != "WANDB_SERVICE" and not k.startswith(("SLURM_", "TORCHELASTIC_"))
+           if not _test_only(k) and not k.startswith("TORCHELASTIC_")
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return {**env, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": "1", **extra}
+    return {**env, **_CHILD_SETTINGS, **extra}
 
 
 def wait_until(condition, timeout_s: float = 60.0, what: str = "the condition") -> None:
