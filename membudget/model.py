@@ -12,34 +12,17 @@ Two choices are explicit so that a CPU (the planner, the tests) and a GPU build 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from membudget.schema import ffn_hidden_size
+from membudget.schema import ModelConfig, ffn_hidden_size
 
 
-@dataclass
-class ModelArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    vocab_size: int
-    n_kv_heads: Optional[int] = None
-    multiple_of: int = 256
-    ffn_dim_multiplier: Optional[float] = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    rope_scaling_factor: Optional[float] = None
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
-    max_seq_len: int = 8192
-    tie_embeddings: bool = False
+class ModelArgs(ModelConfig):
+    """The model's shape: the schema's `model` section (its fields, defaults and docstrings), as plain values."""
 
     @classmethod
     def from_config(cls, cfg) -> "ModelArgs":

@@ -12,14 +12,22 @@ def counted(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def _meta_model(name: str) -> Transformer:
-    cfg = compose_cfg(f"model={name}")
+def _meta_model(*overrides: str) -> Transformer:
     with torch.device("meta"):
-        return Transformer(ModelArgs.from_config(cfg.model))
+        return Transformer(ModelArgs.from_config(compose_cfg(*overrides).model))
+
+
+def _debug_model() -> Transformer:
+    """The default config's model, initialised on the CPU (seed 0)."""
+    torch.manual_seed(0)
+    model = _meta_model()
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
 
 
 def test_llama3_8b_parameter_count_on_meta():
-    model = _meta_model("llama3_8b")
+    model = _meta_model("model=llama3_8b")
     assert num_params(model) == counted(model) == 8_030_261_248
     assert model.args.ffn_hidden == 14336
     assert model.output.weight is not model.tok_embeddings.weight  # 8B does not tie
@@ -28,7 +36,7 @@ def test_llama3_8b_parameter_count_on_meta():
 def test_other_llama3_sizes():
     # Meta's published counts; the 3.2 models tie the output to the embedding
     for name, count in (("llama3_1b", 1_235_814_400), ("llama3_3b", 3_212_749_824), ("llama3_70b", 70_553_706_496)):
-        model = _meta_model(name)
+        model = _meta_model(f"model={name}")
         assert num_params(model) == counted(model) == count, name
 
 
@@ -37,9 +45,7 @@ def test_other_llama3_sizes():
 def test_the_parameter_formula_counts_the_built_model(name, tie):
     """fit.parameter_count (num_params, the SLURM submitter's checkpoint sizing, the fit check) is what a built
     model holds, tied or not."""
-    cfg = compose_cfg(f"model={name}", f"model.tie_embeddings={str(tie).lower()}")
-    with torch.device("meta"):
-        model = Transformer(ModelArgs.from_config(cfg.model))
+    model = _meta_model(f"model={name}", f"model.tie_embeddings={str(tie).lower()}")
     assert num_params(model) == counted(model), (name, tie)
 
 
@@ -53,11 +59,7 @@ def test_rope_scaling_only_changes_low_frequencies():
 
 def test_forward_shapes_and_init_scale():
     cfg = compose_cfg()
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Transformer(ModelArgs.from_config(cfg.model))
-    model.to_empty(device="cpu")
-    model.init_weights()
+    model = _debug_model()
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
     logits = model(tokens)
     assert logits.shape == (2, 16, cfg.model.vocab_size)
@@ -153,11 +155,7 @@ def test_attention_kernels_never_fall_back_to_math_on_cuda():
 
 def test_expanded_kv_heads_give_the_same_attention():
     cfg = compose_cfg()
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Transformer(ModelArgs.from_config(cfg.model))
-    model.to_empty(device="cpu")
-    model.init_weights()
+    model = _debug_model()
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
     gqa = model(tokens)
     model.use_attention_kernels(expand_kv=True)
