@@ -73,14 +73,34 @@ def test_a_plan_of_a_run_with_the_profile_estimator_says_it_assumed_flops(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_plan_names_fsdps_reshard_policy_where_it_is_not_the_default():
-    from membudget.plan.report import plan_markdown
+def test_a_sharded_plan_shows_its_setting_under_each_reshard_policy(tmp_path):
+    """A plan of a run that FSDP shards (here never resharded, on a GPU with a time model) names its policy and
+    plans the same setting under the two others, each as its own plan would be; one process shards nothing and
+    gets no table. (Which policy holds more depends on the size: here a block's gathered parameters weigh less
+    than the backward's all-gather buffers that never saves; on an 8B model never holds 12.6 GiB more, as
+    test_plan_evidence checks against PR #822's runs.)"""
+    from membudget.plan.cli import run
 
-    never = plan_setting(compose_cfg(*SMALL, "parallelism=fsdp", "parallelism.reshard_after_forward=never"),
-                         world_size=2)
-    assert never.setting.reshard_after_forward == "never"
-    assert "parallelism.reshard_after_forward=never" in plan_markdown(never)
-    assert "reshard_after_forward" not in plan_markdown(plan())  # one process: nothing is sharded
+    sharded = [*SMALL, "parallelism=fsdp", "plan.world_size=2", "train.device=cuda", "plan.gpu=A100-40GB"]
+    result = run(compose_cfg(*sharded, "parallelism.reshard_after_forward=never"), tmp_path / "never")
+    assert result["setting"]["reshard_after_forward"] == "never"
+    others = {p["setting"]["reshard_after_forward"]: p for p in result["reshard_policies"]}
+    assert set(others) == {"default", "always"}
+    for policy, other in others.items():
+        alone = plan_setting(compose_cfg(*sharded, f"parallelism.reshard_after_forward={policy}"))
+        assert other["label"] == f"{result['label']}, parallelism.reshard_after_forward={policy}"
+        assert (other["peak"], other["reserved_peak"], other["step_seconds"]) == (
+            alone.peak, alone.reserved_peak, alone.step_seconds), policy
+    assert len({p["peak"] for p in (result, *others.values())}) > 1  # the policies change what the plan holds
+    text = (tmp_path / "never" / "plan.md").read_text()
+    assert "parallelism.reshard_after_forward=never" in text  # the plan's own setting, in its words
+    table = text.split("## FSDP's reshard policies")[1]
+    assert table.count("(this plan)") == 1 and "| never (this plan) |" in table
+    assert all(f"| {policy} |" in table for policy in others) and "tokens/s per device" in table
+
+    alone = run(compose_cfg(*SMALL), tmp_path / "one")  # one process: nothing is sharded
+    assert alone["reshard_policies"] == []
+    assert "reshard" not in (tmp_path / "one" / "plan.md").read_text()
 
 
 def test_auto_says_what_would_fit_when_no_budget_does():

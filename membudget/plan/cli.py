@@ -14,8 +14,8 @@ from membudget.schema import budget_of
 
 from .blocks import per_target, targets_between
 from .planner import Planner
-from .sweep import choose_or_explain, is_auto, plan_setting, plan_sweep
-from .report import blocks_markdown, non_monotonic, plan_markdown, plot_sweep, sweep_markdown
+from .sweep import choose_or_explain, is_auto, plan_sweep, plan_with_reshard_policies
+from .report import blocks_markdown, non_monotonic, plan_markdown, plot_sweep, reshard_markdown, sweep_markdown
 
 log = logging.getLogger("membudget")
 
@@ -47,8 +47,9 @@ def run(cfg, out_dir: Path) -> dict:
                                 for c in choices]}
         plot_sweep(plans, out_dir, chosen, [c.per_block for c in choices if c.per_block is not None])
     else:
-        plan = plan_setting(cfg)
-        text, result = plan_markdown(plan), {"rank": 0, **plan.to_dict()}
+        plan, reshard = plan_with_reshard_policies(cfg)
+        text = plan_markdown(plan) + reshard_markdown(plan, reshard)
+        result = {"rank": 0, **plan.to_dict(), "reshard_policies": [p.to_dict() for p in reshard]}
     (out_dir / "plan.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out_dir / "plan.md").write_text(text)
     log.info("\n%s\nwritten to %s", text, out_dir)

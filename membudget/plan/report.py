@@ -109,6 +109,25 @@ def plan_markdown(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def reshard_markdown(plan: Plan, others: list[Plan]) -> str:
+    """The plan's setting under each of FSDP2's reshard policies (plan.sweep.plan_with_reshard_policies); "" where
+    nothing is sharded."""
+    if not others:
+        return ""
+    timed = plan.time is not None
+    lines = ["", "## FSDP's reshard policies (parallelism.reshard_after_forward), the same setting", "",
+             "never keeps each block's gathered parameters from its forward to its backward (no all-gather in the "
+             "backward); always also frees the last block's after its forward; default frees every block's but the "
+             "last's.", "",
+             "| policy | reserved peak | needed | verdict |" + (" step s | tokens/s per device |" if timed else ""),
+             "|---|---:|---:|---|" + ("---:|---:|" if timed else "")]
+    for p in sorted([plan, *others], key=lambda p: p.setting.reshard_after_forward):
+        name = p.setting.reshard_after_forward + (" (this plan)" if p is plan else "")
+        speed = f" {p.step_seconds:.3f} | {p.tokens_per_s_per_device:,.0f} |" if timed else ""
+        lines.append(f"| {name} | {fmt_bytes(p.reserved_peak)} | {fmt_bytes(p.needed)} | {p.verdict} |{speed}")
+    return "\n".join(lines) + "\n"
+
+
 def non_monotonic(plans: list[Plan]) -> list[Plan]:
     """Budget points whose reserved peak is below that of a smaller budget: the peak is not monotonic there."""
     budgets = sorted((p for p in plans if p.ac_mode == "memory_budget"), key=lambda p: p.memory_budget)

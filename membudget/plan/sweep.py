@@ -4,10 +4,11 @@ ac.memory_budget=auto and ac.blocks=auto (one setting, or a policy per block), e
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Iterator, Optional
 
 from membudget.errors import UserError
-from membudget.schema import ac_label
+from membudget.schema import Reshard, ac_label
 from membudget.units import gib
 
 from .blocks import best_single, choose_mix, single_budgets
@@ -29,13 +30,40 @@ def is_auto(cfg) -> bool:
         str(cfg.ac.mode) == "per_block" and cfg.ac.blocks == "auto")
 
 
-def plan_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> Plan:
-    """The plan of `cfg`'s own AC setting; for auto, of the setting it chooses."""
-    if is_auto(cfg):
-        return choose_setting(cfg, world_size, device)[1]
-    budget = cfg.ac.memory_budget if str(cfg.ac.mode) == "memory_budget" else None
+def plan_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None,
+                 planner: Optional[Planner] = None) -> Plan:
+    """The plan of `cfg`'s own AC setting; for auto, of the setting it chooses (`planner`: as plan_sweep's)."""
+    return _own_setting(cfg, world_size, device, planner)[1]
+
+
+def _own_setting(cfg, world_size: Optional[int], device: Optional[str], planner: Optional[Planner]) -> tuple:
+    """(the config planned, its plan): `cfg`'s own AC setting, or for auto the one it chooses."""
+    with _planning(cfg, world_size, device, planner) as planner:
+        if is_auto(cfg):
+            choice, plan = choose_setting(cfg, planner=planner)
+            key = "blocks" if str(cfg.ac.mode) == "per_block" else "memory_budget"
+            return planner.point(cfg.ac.mode, **{key: choice}), plan
+        point = planner.point(cfg.ac.mode, cfg.ac.memory_budget if str(cfg.ac.mode) == "memory_budget" else None)
+        return point, planner.plan(point)
+
+
+def plan_with_reshard_policies(cfg, world_size: Optional[int] = None,
+                               device: Optional[str] = None) -> tuple[Plan, list[Plan]]:
+    """The plan of `cfg`'s own setting (plan_setting), and where FSDP shards its groups (dp_shard > 1) the same
+    setting under FSDP2's other reshard policies (parallelism.reshard_after_forward): what keeping the gathered
+    parameters from forward to backward costs in memory and buys in time, and what freeing the last block's
+    saves."""
     with Planner(cfg, world_size, device) as planner:
-        return planner.plan(planner.point(cfg.ac.mode, budget))
+        point, plan = _own_setting(cfg, world_size, device, planner)
+        if plan.setting.dp_shard == 1:
+            return plan, []
+        others = []
+        for policy in Reshard:
+            if str(policy) != plan.setting.reshard_after_forward:
+                other = copy.deepcopy(point)
+                other.parallelism.reshard_after_forward = policy
+                others.append(planner.plan(other, f"{plan.label}, parallelism.reshard_after_forward={policy}"))
+        return plan, others
 
 
 @contextlib.contextmanager
