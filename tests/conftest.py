@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import faulthandler
 import functools
 import gc
 import json
@@ -136,7 +137,12 @@ _RANK_IMPORTS = ["torch", "membudget.trainer", "train", "tests.conftest", "tests
                  "tests.plan_real_step"]
 
 
-def run_ranks(nproc: int, entry, *args, cwd: Path) -> Ranks:
+# A rank of run_ranks that has not returned by then prints its threads' stacks and exits: its launch fails with
+# them in its log, where a hung collective would otherwise wait out pytest's timeout and end the whole worker.
+RANK_TIMEOUT_S = 300
+
+
+def run_ranks(nproc: int, entry, *args, cwd: Path, timeout_s: float = RANK_TIMEOUT_S) -> Ranks:
     """`torchrun --standalone --nproc-per-node N` of `entry(*args)` (a module-level function) in the dir `cwd`:
     torchrun's own launcher (`elastic_launch`: rendezvous, agent, a process per rank, a failed rank named), run
     from this process. Each rank is forked from multiprocessing's fork server, which imports torch and the
@@ -154,7 +160,7 @@ def run_ranks(nproc: int, entry, *args, cwd: Path) -> Ranks:
     # the agent sets its own handlers from the main thread (only), which would outlive it in this process
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     try:
-        returns, returncode, failure = elastic_launch(config, _in_rank)(entry, Path(cwd), *args), 0, ""
+        returns, returncode, failure = elastic_launch(config, _in_rank)(entry, Path(cwd), timeout_s, *args), 0, ""
     except ChildFailedError as e:
         returns, returncode, failure = {}, 1, e.format_msg()
     finally:
@@ -171,10 +177,12 @@ def run_ranks(nproc: int, entry, *args, cwd: Path) -> Ranks:
     return ranks
 
 
-def _in_rank(entry, cwd: Path, *args):
-    """A rank of run_ranks: in `cwd`, with subprocess_env's settings (its launcher's variables are its own)."""
+def _in_rank(entry, cwd: Path, timeout_s: float, *args):
+    """A rank of run_ranks: in `cwd`, with subprocess_env's settings (its launcher's variables are its own), its
+    stacks dumped (into its stderr log) and its process ended after `timeout_s`."""
     import torch
 
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
     for key in [k for k in os.environ if _test_only(k)]:
         del os.environ[key]
     os.environ.update(_CHILD_SETTINGS)
@@ -183,6 +191,7 @@ def _in_rank(entry, cwd: Path, *args):
     try:
         return entry(*args)
     finally:  # into this rank's log files, which torchrun's launcher unhooks before Python's exit would flush
+        faulthandler.cancel_dump_traceback_later()
         sys.stdout.flush()
         sys.stderr.flush()
 

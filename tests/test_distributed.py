@@ -2,9 +2,11 @@
 every AC mode and matches the single-process loss curve of the same global batch; FSDP halves what each rank
 holds; only rank 0 writes artefacts and speaks on the console."""
 
+import time
+
 import pytest
 
-from tests.conftest import FAST_COMPILE, read_metrics, read_summary, train_here, train_py_ranks
+from tests.conftest import FAST_COMPILE, read_metrics, read_summary, run_ranks, train_here, train_py_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -99,3 +101,23 @@ def test_four_ranks_hsdp_and_fsdp_tp_with_tied_embeddings_match_one_process(tmp_
                     "train.micro_batch_size=1", *sized(8))
     assert proc.returncode == 0, proc.log[-4000:]
     _check_sweep(sweep, single, 4, 2, "true", batch=8)
+
+
+def hang_in_a_collective() -> None:
+    """A rank of a launch that never ends: rank 1 never joins rank 0's barrier."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    dist.barrier()
+
+
+def test_a_hung_rank_fails_its_launch_with_its_stacks(tmp_path):
+    """The ranks' launcher of these tests (tests/conftest.py run_ranks): a rank still running at its timeout
+    prints where each of its threads is and ends, so its launch fails with that in its log, not at pytest's
+    timeout with the whole worker."""
+    start = time.monotonic()
+    ranks = run_ranks(2, hang_in_a_collective, cwd=tmp_path, timeout_s=5)
+    assert ranks.returncode == 1 and time.monotonic() - start < 120, ranks.log[-3000:]
+    assert "Timeout (0:00:05)!" in ranks.log and "in hang_in_a_collective" in ranks.log, ranks.log[-3000:]
