@@ -213,13 +213,18 @@ def finite_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write a JSON file atomically (a temporary file renamed over it): a crash or a full disk leaves the old
-    file or the new one, never half of one."""
+    """Write a JSON file atomically (write_text)."""
+    write_text(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a file atomically (a temporary file renamed over it): a crash or a full disk leaves the old file or
+    the new one, never half of one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "w") as f:
-            f.write(json.dumps(data, indent=2, allow_nan=False) + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -49,6 +49,7 @@ from membudget.metrics import (
     quiet_console,
     reset_peak_memory,
     write_json,
+    write_text,
 )
 from membudget.model import num_params
 from membudget.offload import find_offloader
@@ -325,11 +326,13 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     if launch.world_size == 1 and cfg.parallelism.name != "single":
         log.warning("parallelism=%s on one process: nothing is sharded or replicated; launch it with "
                     "`torchrun --nproc-per-node N train.py ...` or `srun`", cfg.parallelism.name)
+    device = pick_device(str(cfg.train.device), launch)
     if (cfg.ac.mode == ACMode.memory_budget and cfg.ac.memory_budget == "auto") or (
             cfg.ac.mode == ACMode.per_block and cfg.ac.blocks == "auto"):
-        _choose_setting(cfg, launch)
+        chosen = _choose_setting(cfg, launch, device.type)
         validate(cfg, launch.world_size)  # the choice too: e.g. full blocks compiled under TP
-    device = pick_device(str(cfg.train.device), launch)
+    else:
+        chosen = None
     init_distributed(launch, device, cfg.parallelism.timeout_s)  # once per process: a multirun's jobs share it
     quiet_console(launch.is_main)
     _at("the check that every rank has the same config and data", None)
@@ -378,6 +381,8 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
         batches.load_state_dict(state["extra"]["data"])
     wandb_run = None
     if launch.is_main:
+        if chosen is not None:
+            _write_plan(run_dir, chosen)
         wandb_run = init_wandb(cfg, run_dir, wandb_group, resume_id=state["extra"].get("wandb_id") if state else None)
     prefetcher = Prefetcher(batches, cfg.data.prefetch, pin=device.type == "cuda")
     stack.callback(prefetcher.close)
@@ -389,15 +394,26 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
                peak_flops=device_peak_flops(device, numerics.bf16, cfg.train.peak_flops))
 
 
-def _choose_setting(cfg, launch: Launch) -> None:
-    """ac.memory_budget=auto or ac.blocks=auto: planned on fake tensors before the real process group exists;
-    every rank gets the same answer."""
+def _choose_setting(cfg, launch: Launch, device: str):
+    """ac.memory_budget=auto or ac.blocks=auto: planned on fake tensors before the real process group exists,
+    for the kind of device this run trains on (train.device=auto on a machine without a GPU: the CPU's numerics);
+    every rank gets the same answer. Its plan."""
     from membudget.plan import choose_setting
 
-    choice, plan = choose_setting(cfg, launch.world_size)
+    choice, plan = choose_setting(cfg, launch.world_size, device)
     key = "blocks" if cfg.ac.mode == ACMode.per_block else "memory_budget"
     setattr(cfg.ac, key, choice)
     log.info("ac.%s=auto -> %s: %s", key, choice, plan.summary_line())
+    return plan
+
+
+def _write_plan(run_dir: Path, plan) -> None:
+    """The plan auto chose, as `python -m membudget.plan` writes it (plan.md, plan.json): what the run's
+    measurements can be read against."""
+    from membudget.plan.report import plan_markdown
+
+    write_text(run_dir / "plan.md", plan_markdown(plan))
+    write_json(run_dir / "plan.json", plan.to_dict())
 
 
 # --- one step ------------------------------------------------------------------------------------------------

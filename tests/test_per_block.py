@@ -4,6 +4,7 @@ offloaded tensors copied out and back bit-identically through an interrupted and
 pricing of offloading on a GPU, and ac.blocks=auto."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -235,6 +236,8 @@ def test_auto_chooses_policies_per_block_that_fit_and_train_as_planned(tmp_path)
                          "ac=per_block", "ac.blocks=auto", f"ac.target_memory_gib={target_gib}")
     assert trained["ac_policies"] == choice.per_block.policies
     assert trained["activation_bytes"] == choice.per_block.activations
+    written = json.loads((tmp_path / "auto" / "plan.json").read_text())  # the plan the run chose, in its dir
+    assert (written["policies"], written["activations"]) == (choice.per_block.policies, choice.per_block.activations)
     assert torch.isfinite(torch.tensor(trained["final_loss"]))
 
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from membudget.units import GiB
 from tests.conftest import FAST_COMPILE, TINY, read_metrics, read_summary, run_train, train_here
 from tests.wandb_offline import find_offline_runs, read_offline_run
 
@@ -122,6 +123,11 @@ def test_auto_budget_is_planned_logged_and_used(tmp_path, caplog):
     chosen = summary["memory_budget"]
     assert chosen is not None and summary["ac_label"].startswith("memory_budget")
     assert any(f"ac.memory_budget=auto -> {chosen}" in r.getMessage() for r in caplog.records)
+    # the plan it chose is in the run dir, as `python -m membudget.plan` writes one: what the run ran
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["memory_budget"] == chosen and plan["activations"] == summary["activation_bytes"]
+    assert plan["limit"] == int(0.05 * GiB) and plan["fits"]
+    assert (tmp_path / "run" / "plan.md").read_text().startswith(f"# Plan: llama3_debug, {plan['label']}")
 
 
 def test_mfu_excludes_the_embedding_lookup():
