@@ -412,8 +412,13 @@ def _write_plan(run_dir: Path, plan) -> None:
     measurements can be read against."""
     from membudget.plan.report import plan_markdown
 
-    write_text(run_dir / "plan.md", plan_markdown(plan))
-    write_json(run_dir / "plan.json", plan.to_dict())
+    for path, write, content in ((run_dir / "plan.md", write_text, plan_markdown(plan)),
+                                 (run_dir / "plan.json", write_json, plan.to_dict())):
+        try:
+            write(path, content)
+        except OSError as e:
+            raise UserError(f"ac.{'blocks' if plan.ac_mode == 'per_block' else 'memory_budget'}=auto: could not "
+                            f"write {path} ({e.strerror or e}); free space, then rerun the same command") from None
 
 
 # --- one step ------------------------------------------------------------------------------------------------

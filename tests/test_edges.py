@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from membudget.errors import UserError
-from tests.conftest import ROOT, TINY, read_metrics, read_summary, small_tmpfs, subprocess_env, train_here
+from tests.conftest import (ROOT, TINY, compose_cfg, read_metrics, read_summary, small_tmpfs, subprocess_env,
+                            train_here)
 
 # --- a full disk while metrics are appended ---------------------------------------------------------------------
 
@@ -75,6 +76,22 @@ def test_a_full_disk_while_appending_metrics_loses_no_line_and_prints_no_logging
     subprocess.run(["mount", "-o", "remount,size=4m", str(tiny_disk)], check=True)
     done = train_here(run_dir, *FULL_DISK_RUN, "train.steps=3")
     assert done["status"] == "completed" and [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+
+
+def test_an_auto_plan_that_cannot_be_written_is_one_line_and_leaves_no_half_file(tiny_disk):
+    """The plan an auto run chose goes into its run dir (trainer._write_plan) before training: on a full disk,
+    one line naming the file and the fix, and no temporary file left."""
+    from membudget.plan import plan_setting
+    from membudget.trainer import _write_plan
+
+    plan = plan_setting(compose_cfg(*TINY, "train.device=cpu"))
+    _fill(tiny_disk, leave=0)
+    with pytest.raises(UserError) as err:
+        _write_plan(tiny_disk, plan)
+    message = str(err.value)
+    assert "\n" not in message and str(tiny_disk / "plan.md") in message and "No space left" in message
+    assert "free space, then rerun the same command" in message
+    assert sorted(p.name for p in tiny_disk.iterdir()) == ["filler"]
 
 
 # --- a sweep with a failing job --------------------------------------------------------------------------------
