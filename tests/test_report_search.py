@@ -5,6 +5,7 @@ planner's prediction."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,22 @@ def test_a_job_the_planner_cannot_take_gets_empty_cells_and_a_note(tmp_path):
     md = (sweep / "report.md").read_text()
     assert "Planning failed for job 0 (none): " in md
     assert "Not planned: job 1: the device it trained on is unknown" in md
+
+
+def test_an_auto_jobs_planned_columns_are_the_plan_it_chose(tmp_path):
+    """An auto run's dir holds the plan it chose (plan.json): the report shows that plan beside the job, without
+    planning the auto setting again (here it could not: the device it trained on is unknown); a plan.json that
+    cannot be read is planned again, as any other job."""
+    from tests.test_report import _write_job
+
+    sweep = tmp_path / "sweep"
+    _write_job(sweep, 0, {"mode": "memory_budget", "memory_budget": "auto"}, act=40 * MiB)
+    _write_job(sweep, 1, {"mode": "memory_budget", "memory_budget": "auto"}, act=40 * MiB)
+    (sweep / "0" / "plan.json").write_text(json.dumps({"activations": 32 * MiB, "peak": 90 * MiB, "label": "x"}))
+    (sweep / "1" / "plan.json").write_text('{"activations": 32')  # cut short
+    assert report.main([str(sweep), "--no-wandb"]) == 0
+    chosen, damaged = _rows(sweep)
+    assert int(chosen["planned_activation_bytes"]) == 32 * MiB and int(chosen["planned_peak_memory_bytes"]) == 90 * MiB
+    assert float(chosen["activation_vs_planned"]) == pytest.approx(40 / 32)
+    assert not damaged["planned_activation_bytes"]
+    assert "Not planned: job 1: the device it trained on is unknown" in (sweep / "report.md").read_text()

@@ -1,5 +1,6 @@
 """The planner's prediction beside each run: `membudget.plan.plan_setting` of the job's own composed config,
-so a sweep (grid or search) shows how far the plan is from what was measured.
+so a sweep (grid or search) shows how far the plan is from what was measured. An auto run's job
+(ac.memory_budget=auto, ac.blocks=auto) shows the plan it chose, from its plan.json.
 
 The job's `.hydra/config.yaml` is merged onto the schema and planned for the device it trained on (train.device,
 else the search's memory key, else the first line of its train.log) with its world size. Equal configs are
@@ -58,6 +59,10 @@ def add_plans(sweep: Sweep, rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         row.update(dict.fromkeys(PLAN_COLUMNS))
         job = jobs[row["job"]]
+        plan = _chosen_plan(sweep.dir / str(job.num))
+        if plan is not None:  # an auto run's own choice: what it trained, not planned again
+            _fill(row, *plan)
+            continue
         device = device_of(job, sweep.dir / str(job.num))
         if device is None:
             unknown.append(job.num)
@@ -79,13 +84,27 @@ def add_plans(sweep: Sweep, rows: list[dict[str, Any]]) -> list[str]:
         if isinstance(plan, str):
             failed.append(f"job {job.num} ({job.label}): {plan}")
             continue
-        row["planned_activation_bytes"] = plan.activations
-        row["planned_peak_memory_bytes"] = plan.peak
-        if row.get("activation_bytes") is not None and plan.activations:
-            row["activation_vs_planned"] = row["activation_bytes"] / plan.activations
+        _fill(row, plan.activations, plan.peak)
     notes = []
     if unknown:
         notes.append(f"Not planned: job{'s' if len(unknown) > 1 else ''} {', '.join(map(str, unknown))}: the device "
                      "it trained on is unknown (train.device=auto and no train.log).")
     notes += [f"Planning failed for {f}." for f in failed]
     return notes
+
+
+def _chosen_plan(run_dir: Path) -> Optional[tuple[int, int]]:
+    """(activations, peak) of the plan an auto run chose and wrote (plan.json, trainer._write_plan); None without
+    one, or where it cannot be read (planned again then)."""
+    try:
+        plan = json.loads((run_dir / "plan.json").read_text())
+        return int(plan["activations"]), int(plan["peak"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _fill(row: dict[str, Any], activations: int, peak: int) -> None:
+    row["planned_activation_bytes"] = activations
+    row["planned_peak_memory_bytes"] = peak
+    if row.get("activation_bytes") is not None and activations:
+        row["activation_vs_planned"] = row["activation_bytes"] / activations
