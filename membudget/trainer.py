@@ -381,8 +381,7 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
         batches.load_state_dict(state["extra"]["data"])
     wandb_run = None
     if launch.is_main:
-        if chosen is not None:
-            _write_plan(run_dir, chosen)
+        _write_plan(run_dir, chosen)
         wandb_run = init_wandb(cfg, run_dir, wandb_group, resume_id=state["extra"].get("wandb_id") if state else None)
     prefetcher = Prefetcher(batches, cfg.data.prefetch, pin=device.type == "cuda")
     stack.callback(prefetcher.close)
@@ -409,9 +408,14 @@ def _choose_setting(cfg, launch: Launch, device: str):
 
 def _write_plan(run_dir: Path, plan) -> None:
     """The plan auto chose, as `python -m membudget.plan` writes it (plan.md, plan.json): what the run's
-    measurements can be read against."""
+    measurements can be read against. None (a run not set to auto): an earlier start's plan, resumed here with
+    another AC setting, is removed, as it no longer says what runs."""
     from membudget.plan.report import plan_markdown
 
+    if plan is None:
+        for name in ("plan.md", "plan.json"):
+            (run_dir / name).unlink(missing_ok=True)
+        return
     for path, write, content in ((run_dir / "plan.md", write_text, plan_markdown(plan)),
                                  (run_dir / "plan.json", write_json, plan.to_dict())):
         try:

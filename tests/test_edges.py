@@ -94,6 +94,18 @@ def test_an_auto_plan_that_cannot_be_written_is_one_line_and_leaves_no_half_file
     assert sorted(p.name for p in tiny_disk.iterdir()) == ["filler"]
 
 
+def test_a_run_not_set_to_auto_removes_the_plan_an_earlier_auto_start_wrote(tmp_path):
+    """A resume may change the AC setting: the auto plan left by the run's first start no longer says what runs
+    (the report would show it beside the job), so a start that is not auto removes it."""
+    from membudget.plan import plan_setting
+    from membudget.trainer import _write_plan
+
+    _write_plan(tmp_path, plan_setting(compose_cfg(*TINY, "train.device=cpu")))
+    assert (tmp_path / "plan.json").exists() and (tmp_path / "plan.md").exists()
+    _write_plan(tmp_path, None)
+    assert not list(tmp_path.iterdir())
+
+
 # --- a sweep with a failing job --------------------------------------------------------------------------------
 
 @pytest.mark.slow
