@@ -30,10 +30,9 @@ def is_auto(cfg) -> bool:
         str(cfg.ac.mode) == "per_block" and cfg.ac.blocks == "auto")
 
 
-def plan_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None,
-                 planner: Optional[Planner] = None) -> Plan:
-    """The plan of `cfg`'s own AC setting; for auto, of the setting it chooses (`planner`: as plan_sweep's)."""
-    return _own_setting(cfg, world_size, device, planner)[1]
+def plan_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> Plan:
+    """The plan of `cfg`'s own AC setting; for auto, of the setting it chooses."""
+    return _own_setting(cfg, world_size, device, None)[1]
 
 
 def _own_setting(cfg, world_size: Optional[int], device: Optional[str], planner: Optional[Planner]) -> tuple:
