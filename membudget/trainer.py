@@ -207,6 +207,7 @@ class Run:
     compile_s: Optional[float] = None
     flops_per_token: float = 0.0  # training FLOPs per token, for MFU
     peak_flops: Optional[float] = None  # this device's, in the run's dtype; None: MFU is not reported
+    plan: Any = None  # the plan ac.memory_budget=auto or ac.blocks=auto chose (_choose_setting); None otherwise
 
     @property
     def label(self) -> str:
@@ -390,7 +391,7 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
                ActivationCounter(model), checkpointer, MetricsWriter(run_dir, wandb_run) if launch.is_main else None,
                wandb_run, data, start_step=state["step"] if state else 0, rows=rows,
                flops_per_token=flops_per_token(model, shape.seq_len),
-               peak_flops=device_peak_flops(device, numerics.bf16, cfg.train.peak_flops))
+               peak_flops=device_peak_flops(device, numerics.bf16, cfg.train.peak_flops), plan=chosen)
 
 
 def _choose_setting(cfg, launch: Launch, device: str):
@@ -623,9 +624,16 @@ def summarize(run: Run) -> dict[str, Any]:
     }
 
 
-def _summary_header(cfg, world_size: int, wandb_run) -> dict[str, Any]:
+def _summary_header(cfg, world_size: int, wandb_run, plan=None) -> dict[str, Any]:
     budget = budget_of(cfg.ac)
     return {
+        # what auto's plan predicted, beside what the run measured (keys as the measured ones)
+        "planned": None if plan is None else {
+            "activation_bytes": plan.activations, "peak_memory_bytes": plan.peak,
+            "reserved_peak_bytes": plan.reserved_peak if plan.reserved is not None else None,
+            "tokens_per_s_per_device": plan.tokens_per_s_per_device, "verdict": plan.verdict,
+            "device": plan.device.name,
+        },
         "world_size": world_size,
         "ac_mode": str(cfg.ac.mode),
         "ac_label": ac_label(cfg.ac),
@@ -717,7 +725,7 @@ def _finish(run: Run, summary: dict[str, Any]) -> Optional[str]:
     missing (or stale), else None."""
     missing = None
     if run.launch.is_main:
-        summary.update(_summary_header(run.cfg, run.launch.world_size, run.wandb_run))
+        summary.update(_summary_header(run.cfg, run.launch.world_size, run.wandb_run, run.plan))
         path = run.run_dir / "summary.json"
         try:
             write_json(path, summary)

@@ -126,6 +126,9 @@ def test_auto_budget_is_planned_logged_and_used(tmp_path, caplog):
     # the plan it chose is in the run dir, as `python -m membudget.plan` writes one: what the run ran
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert plan["memory_budget"] == chosen and plan["activations"] == summary["activation_bytes"]
+    # and in the summary (and so W&B's), beside what was measured
+    assert summary["planned"]["activation_bytes"] == summary["activation_bytes"] == plan["activations"]
+    assert summary["planned"]["peak_memory_bytes"] == plan["peak"] and summary["planned"]["verdict"] == "fits"
     assert plan["limit"] == int(0.05 * GiB) and plan["fits"]
     assert (tmp_path / "run" / "plan.md").read_text().startswith(f"# Plan: llama3_debug, {plan['label']}")
 
