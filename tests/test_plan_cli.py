@@ -40,6 +40,7 @@ def test_the_cli_sweeps_chooses_and_writes_its_plans(tmp_path):
     assert chosen["fits"] and chosen["limit"] == int(0.00838 * GiB)
     assert all(p["recompute_flops"] >= chosen["recompute_flops"] for p in plans[3:] if p["fits"])
     assert any(not p["fits"] for p in plans[3:])
+    assert result["reshard_policies"] == []  # one process: FSDP shards nothing
     text = (run_dir / "plan.md").read_text()
     assert "**chosen**" in text and "a CPU run: planned against this host's available memory" in text
     assert (run_dir / "sweep.png").stat().st_size > 1000

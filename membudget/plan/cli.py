@@ -14,7 +14,7 @@ from membudget.schema import budget_of
 
 from .blocks import per_target, targets_between
 from .planner import Planner
-from .sweep import choose_or_explain, is_auto, plan_sweep, plan_with_reshard_policies
+from .sweep import chosen_point, choose_or_explain, is_auto, plan_sweep, plan_with_reshard_policies, reshard_policies
 from .report import blocks_markdown, non_monotonic, plan_markdown, plot_sweep, reshard_markdown, sweep_markdown
 
 log = logging.getLogger("membudget")
@@ -25,12 +25,14 @@ def run(cfg, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     sweep, auto = budget_of(cfg.ac) == "sweep", is_auto(cfg)
     chosen = error = None
+    reshard = []
     if sweep or auto:
         with Planner(cfg) as planner:  # one for the sweep and the mixes: what they share is measured once
             plans = plan_sweep(cfg, offload=True, planner=planner)
             if auto:
                 try:
-                    chosen = choose_or_explain(plans, cfg, None, planner=planner)[1]
+                    choice, chosen = choose_or_explain(plans, cfg, None, planner=planner)
+                    reshard = reshard_policies(planner, chosen_point(planner, cfg, choice), chosen)
                 except UserError as e:  # raised once the sweep that shows it is written
                     error = e
             choices = []
@@ -38,10 +40,11 @@ def run(cfg, out_dir: Path) -> dict:
                 limit = plans[0].limit or max(p.judged_bytes for p in plans)
                 choices = per_target(planner, plans, targets_between(plans, limit))
         text = (sweep_markdown(plans, chosen) + ("\n" + blocks_markdown(choices, plans) if choices else "")
-                + ("" if chosen is None else "\n" + plan_markdown(chosen)))
+                + ("" if chosen is None else "\n" + plan_markdown(chosen) + reshard_markdown(chosen, reshard)))
         result = {"rank": 0, "plans": [p.to_dict() for p in plans],
                   "non_monotonic": [p.label for p in non_monotonic(plans)],
                   "chosen": None if chosen is None else chosen.to_dict(),
+                  "reshard_policies": [p.to_dict() for p in reshard],
                   "per_block": [{"target": c.target, "single": c.single and c.single.label,
                                  "per_block": c.per_block and c.per_block.to_dict(), "gain": c.gain}
                                 for c in choices]}

@@ -40,29 +40,38 @@ def _own_setting(cfg, world_size: Optional[int], device: Optional[str], planner:
     with _planning(cfg, world_size, device, planner) as planner:
         if is_auto(cfg):
             choice, plan = choose_setting(cfg, planner=planner)
-            key = "blocks" if str(cfg.ac.mode) == "per_block" else "memory_budget"
-            return planner.point(cfg.ac.mode, **{key: choice}), plan
+            return chosen_point(planner, cfg, choice), plan
         point = planner.point(cfg.ac.mode, cfg.ac.memory_budget if str(cfg.ac.mode) == "memory_budget" else None)
         return point, planner.plan(point)
 
 
+def chosen_point(planner: Planner, cfg, choice):
+    """The config of auto's `choice` (a budget, per-block budgets, or under ac=per_block the blocks' policies)."""
+    key = "blocks" if str(cfg.ac.mode) == "per_block" else "memory_budget"
+    return planner.point(cfg.ac.mode, **{key: choice})
+
+
 def plan_with_reshard_policies(cfg, world_size: Optional[int] = None,
                                device: Optional[str] = None) -> tuple[Plan, list[Plan]]:
-    """The plan of `cfg`'s own setting (plan_setting), and where FSDP shards its groups (dp_shard > 1) the same
-    setting under FSDP2's other reshard policies (parallelism.reshard_after_forward): what keeping the gathered
-    parameters from forward to backward costs in memory and buys in time, and what freeing the last block's
-    saves."""
+    """The plan of `cfg`'s own setting (plan_setting) and its reshard_policies."""
     with Planner(cfg, world_size, device) as planner:
         point, plan = _own_setting(cfg, world_size, device, planner)
-        if plan.setting.dp_shard == 1:
-            return plan, []
-        others = []
-        for policy in Reshard:
-            if str(policy) != plan.setting.reshard_after_forward:
-                other = copy.deepcopy(point)
-                other.parallelism.reshard_after_forward = policy
-                others.append(planner.plan(other, f"{plan.label}, parallelism.reshard_after_forward={policy}"))
-        return plan, others
+        return plan, reshard_policies(planner, point, plan)
+
+
+def reshard_policies(planner: Planner, point, plan: Plan) -> list[Plan]:
+    """Where FSDP shards its groups (dp_shard > 1), `point` (planned as `plan`) under FSDP2's other reshard
+    policies (parallelism.reshard_after_forward): what keeping the gathered parameters from forward to backward
+    costs in memory and buys in time, and what freeing the last block's saves. [] where nothing is sharded."""
+    if plan.setting.dp_shard == 1:
+        return []
+    others = []
+    for policy in Reshard:
+        if str(policy) != plan.setting.reshard_after_forward:
+            other = copy.deepcopy(point)
+            other.parallelism.reshard_after_forward = policy
+            others.append(planner.plan(other, f"{plan.label}, parallelism.reshard_after_forward={policy}"))
+    return others
 
 
 @contextlib.contextmanager
