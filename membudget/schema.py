@@ -468,6 +468,18 @@ def budget_of(ac) -> Optional[Union[float, str]]:
     return _get(ac, "memory_budget") if str(_get(ac, "mode")) == ACMode.memory_budget else None
 
 
+def auto_key(mode) -> str:
+    """The ac key whose value `auto` leaves an AC mode's setting to the planner: blocks under ac=per_block, else
+    memory_budget."""
+    return "blocks" if str(mode) == ACMode.per_block else "memory_budget"
+
+
+def is_auto(ac) -> bool:
+    """Whether the run leaves its AC setting to the planner (ac.memory_budget=auto or ac.blocks=auto)."""
+    mode = _get(ac, "mode")
+    return str(mode) in (ACMode.memory_budget, ACMode.per_block) and str(_get(ac, auto_key(mode))) == "auto"
+
+
 @dataclass(frozen=True)
 class BlockPolicy:
     """What one block does with its activations: its AC (none, full, selective op, or a compiled memory budget)

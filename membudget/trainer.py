@@ -56,7 +56,8 @@ from membudget.offload import find_offloader
 from membudget.parallel import all_reduce, broadcast_object, build_mesh, clip_grad_norm, dp_coordinates, gradient_sync
 from membudget.rules import compile_enabled, validate
 from membudget.rundir import RunDirLock, start_fresh
-from membudget.schema import ACMode, NonFinite, ac_label, block_policies, budget_of, compact_policies, resolved
+from membudget.schema import (ACMode, NonFinite, ac_label, auto_key, block_policies, budget_of, compact_policies,
+                              is_auto, resolved)
 from membudget.step import Numerics, StepShape, build_model, build_optimizer, forward_backward
 from membudget.units import GiB, MiB
 
@@ -328,8 +329,7 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
         log.warning("parallelism=%s on one process: nothing is sharded or replicated; launch it with "
                     "`torchrun --nproc-per-node N train.py ...` or `srun`", cfg.parallelism.name)
     device = pick_device(str(cfg.train.device), launch)
-    if (cfg.ac.mode == ACMode.memory_budget and cfg.ac.memory_budget == "auto") or (
-            cfg.ac.mode == ACMode.per_block and cfg.ac.blocks == "auto"):
+    if is_auto(cfg.ac):
         chosen = _choose_setting(cfg, launch, device.type)
         validate(cfg, launch.world_size)  # the choice too: e.g. full blocks compiled under TP
     else:
@@ -401,7 +401,7 @@ def _choose_setting(cfg, launch: Launch, device: str):
     from membudget.plan import choose_setting
 
     choice, plan = choose_setting(cfg, launch.world_size, device)
-    key = "blocks" if cfg.ac.mode == ACMode.per_block else "memory_budget"
+    key = auto_key(cfg.ac.mode)
     setattr(cfg.ac, key, choice)
     log.info("ac.%s=auto -> %s: %s", key, choice, plan.summary_line())
     return plan
@@ -422,8 +422,8 @@ def _write_plan(run_dir: Path, plan) -> None:
         try:
             write(path, content)
         except OSError as e:
-            raise UserError(f"ac.{'blocks' if plan.ac_mode == 'per_block' else 'memory_budget'}=auto: could not "
-                            f"write {path} ({e.strerror or e}); free space, then rerun the same command") from None
+            raise UserError(f"ac.{auto_key(plan.ac_mode)}=auto: could not write {path} ({e.strerror or e}); free "
+                            "space, then rerun the same command") from None
 
 
 # --- one step ------------------------------------------------------------------------------------------------

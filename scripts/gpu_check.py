@@ -87,7 +87,7 @@ from membudget.collector import collect_rarely  # noqa: E402
 from membudget.metrics import ActivationCounter  # noqa: E402
 from membudget.parallel import clip_grad_norm  # noqa: E402
 from membudget.plan import Planner, plan_setting  # noqa: E402
-from membudget.plan.sweep import is_auto  # noqa: E402
+from membudget.schema import is_auto  # noqa: E402
 from membudget.units import GiB, MiB, fmt_bytes  # noqa: E402
 from membudget.offload import find_offloader  # noqa: E402
 from membudget.schema import ACMode, CompileBackend, OffloadWith, RunConfig, TrainDevice  # noqa: E402
@@ -264,7 +264,7 @@ def check(settings=SETTINGS, device: str = "cuda", model: str = "llama3_8b", lay
             plan = None
             try:
                 cfg = build_config(setting, device, model, layers, seq, batch, expandable)
-                if is_auto(cfg):  # blocks=auto: the planner's own choice
+                if is_auto(cfg.ac):  # blocks=auto: the planner's own choice
                     plan = plan_setting(cfg)
                 else:
                     planner = planner or stack.enter_context(Planner(cfg))

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 from membudget.errors import UserError
-from membudget.schema import budget_of
+from membudget.schema import budget_of, is_auto
 
 from .blocks import per_target, targets_between
 from .planner import Planner
-from .sweep import chosen_point, choose_or_explain, is_auto, plan_sweep, plan_with_reshard_policies, reshard_policies
+from .sweep import chosen_point, choose_or_explain, plan_sweep, plan_with_reshard_policies, reshard_policies
 from .report import blocks_markdown, non_monotonic, plan_markdown, plot_sweep, reshard_markdown, sweep_markdown
 
 log = logging.getLogger("membudget")
@@ -23,7 +23,7 @@ log = logging.getLogger("membudget")
 def run(cfg, out_dir: Path) -> dict:
     """What the command does: plan, write plan.json and plan.md (a sweep: also the plots), log the table."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    sweep, auto = budget_of(cfg.ac) == "sweep", is_auto(cfg)
+    sweep, auto = budget_of(cfg.ac) == "sweep", is_auto(cfg.ac)
     chosen = error = None
     reshard = []
     if sweep or auto:

@@ -8,7 +8,7 @@ import copy
 from typing import Iterator, Optional
 
 from membudget.errors import UserError
-from membudget.schema import Reshard, ac_label
+from membudget.schema import Reshard, ac_label, auto_key, is_auto
 from membudget.units import gib
 
 from .blocks import best_single, choose_mix, single_budgets
@@ -24,12 +24,6 @@ def _label(cfg, mode: str, budget=None, **ac) -> str:
     return ac_label({"mode": mode, "memory_budget": budget, "selective_option": str(cfg.ac.selective_option), **ac})
 
 
-def is_auto(cfg) -> bool:
-    """Whether the run leaves its AC setting to the planner (ac.memory_budget=auto or ac.blocks=auto)."""
-    return (str(cfg.ac.mode) == "memory_budget" and cfg.ac.memory_budget == "auto") or (
-        str(cfg.ac.mode) == "per_block" and cfg.ac.blocks == "auto")
-
-
 def plan_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> Plan:
     """The plan of `cfg`'s own AC setting; for auto, of the setting it chooses."""
     return _own_setting(cfg, world_size, device, None)[1]
@@ -38,7 +32,7 @@ def plan_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = 
 def _own_setting(cfg, world_size: Optional[int], device: Optional[str], planner: Optional[Planner]) -> tuple:
     """(the config planned, its plan): `cfg`'s own AC setting, or for auto the one it chooses."""
     with _planning(cfg, world_size, device, planner) as planner:
-        if is_auto(cfg):
+        if is_auto(cfg.ac):
             choice, plan = choose_setting(cfg, planner=planner)
             return chosen_point(planner, cfg, choice), plan
         point = planner.point(cfg.ac.mode, cfg.ac.memory_budget if str(cfg.ac.mode) == "memory_budget" else None)
@@ -47,8 +41,7 @@ def _own_setting(cfg, world_size: Optional[int], device: Optional[str], planner:
 
 def chosen_point(planner: Planner, cfg, choice):
     """The config of auto's `choice` (a budget, per-block budgets, or under ac=per_block the blocks' policies)."""
-    key = "blocks" if str(cfg.ac.mode) == "per_block" else "memory_budget"
-    return planner.point(cfg.ac.mode, **{key: choice})
+    return planner.point(cfg.ac.mode, **{auto_key(cfg.ac.mode): choice})
 
 
 def plan_with_reshard_policies(cfg, world_size: Optional[int] = None,
@@ -120,7 +113,7 @@ def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int], device:
                       planner: Optional[Planner] = None) -> tuple[object, Plan]:
     """(the choice: a budget, per-block budgets as "0.3*8+0.6*24", or under ac=per_block the blocks' policies as
     "full*4+none*28"; its plan) from a sweep's plans; the mixes planned by `planner` (as plan_sweep's)."""
-    key = "ac.blocks" if str(cfg.ac.mode) == "per_block" else "ac.memory_budget"
+    key = f"ac.{auto_key(cfg.ac.mode)}"
     if plans[0].verdict == NO_LIMIT:
         raise UserError(f"{key}=auto: no memory limit known for this device: set ac.target_memory_gib=N (GiB)")
     candidates = plans if key == "ac.blocks" else single_budgets(plans)
