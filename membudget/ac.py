@@ -38,7 +38,7 @@ from membudget.internals import (
 )
 from membudget.offload import OffloadedBlock, Offloader
 from membudget.rules import uses_budget
-from membudget.schema import ACMode, BlockPolicy, block_policies
+from membudget.schema import BlockPolicy, block_policies, is_auto
 
 aten = torch.ops.aten
 
@@ -172,7 +172,7 @@ def compiler_scope(ac_cfg, run_dir: Optional[Path] = None, n_layers: Optional[in
     annotate each block instead; blocks with equal budgets share a compiled graph.
     """
     settings, graphs = {}, 8
-    if uses_budget(ac_cfg) and not (ac_cfg.mode == ACMode.per_block and ac_cfg.blocks == "auto"):
+    if uses_budget(ac_cfg) and not is_auto(ac_cfg):
         settings = dict(
             activation_memory_budget_solver=str(ac_cfg.solver),
             activation_memory_budget_runtime_estimator=str(ac_cfg.runtime_estimator),

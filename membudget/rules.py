@@ -23,6 +23,7 @@ from membudget.schema import (
     block_policies,
     budget_of,
     ffn_hidden_size,
+    is_auto,
     parse_block_budgets,
     parse_block_policies,
 )
@@ -47,7 +48,7 @@ def compile_enabled(cfg: Any) -> bool:
 def uses_budget(ac: Any) -> bool:
     """Whether a block's activations are left to the compiler's memory budget."""
     if ac.mode == ACMode.per_block:
-        return str(ac.blocks) == "auto" or any(p.compiled for p in parse_block_policies(ac.blocks))
+        return is_auto(ac) or any(p.compiled for p in parse_block_policies(ac.blocks))
     return ac.mode == ACMode.memory_budget
 
 
@@ -161,7 +162,7 @@ def _budget_key(ac: Any) -> str:
 def check_block_policies(cfg: Any) -> None:
     """ac.blocks: one known policy per block, budgets in [0, 1], or auto."""
     ac, n = cfg.ac, cfg.model.n_layers
-    if str(ac.blocks) == "auto":
+    if is_auto(ac):
         if ac.target_memory_gib is not None and not 0 < ac.target_memory_gib < math.inf:
             fail("ac.target_memory_gib", ac.target_memory_gib, "set a positive number of GiB per rank")
         return
@@ -248,8 +249,8 @@ def check_parallelism(cfg: Any, world_size: int) -> None:
                           ("train.seq_len", cfg.train.seq_len)):
             if size % tp:
                 fail("parallelism.tp", tp, f"must divide {key}={size}; choose a divisor of it")
-        full_blocks = not (cfg.ac.mode == ACMode.per_block and str(cfg.ac.blocks) == "auto") and any(
-            p.ac == "full" for p in block_policies(cfg.ac, cfg.model.n_layers))
+        # an auto setting has no blocks yet: they are the planner's choice
+        full_blocks = not is_auto(cfg.ac) and any(p.ac == "full" for p in block_policies(cfg.ac, cfg.model.n_layers))
         if full_blocks and compile_enabled(cfg):
             # torch 2.13: AOTAutograd saves the TP mesh among a compiled checkpoint's tensors and fails in backward
             fail("compile.enabled", True, f"torch {_torch_version()} cannot compile fully checkpointed blocks under "

@@ -29,6 +29,14 @@ def test_every_group_option_composes_and_validates(group, option):
     validate(cfg, WORLD.get(option, 2) if group == "parallelism" else 1)
 
 
+@pytest.mark.parametrize("auto", [("ac=memory_budget", "ac.memory_budget=auto"), ("ac=per_block", "ac.blocks=auto")])
+@pytest.mark.parametrize("layout", ["parallelism=tp", "parallelism=fsdp_tp"])
+def test_an_auto_setting_validates_under_tp(auto, layout):
+    """An auto setting has no blocks before the planner chooses them: the rule against compiled full blocks under
+    TP asks the choice (ac.memory_budget=auto under TP raised a ValueError, 'could not convert string to float')."""
+    validate(compose_cfg(layout, *auto), world_size=4 if layout == "parallelism=fsdp_tp" else 2)
+
+
 def test_the_schema_is_not_an_option():
     # only the whole run's schema is stored, as conf/config.yaml's base, never under an option group
     repo = ConfigStore.instance().repo
