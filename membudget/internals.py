@@ -189,6 +189,29 @@ def cached_dtensor_sharding_propagation() -> Iterator[None]:
         yield
 
 
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's caches of sharding decisions. They are keyed by DeviceMesh equality, which compares a
+    mesh's shape, ranks and dim names but not the process group under it nor this process's place in it, and
+    they return specs that hold the mesh they were first computed on: after the planner's fake world (every
+    rank plans as rank 0), a real mesh of the same shape got back the fake mesh, so rank 1 initialised and
+    checkpointed rank 0's shards. torch has no public way to empty them; each is cleared where this torch has
+    it."""
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    caches = (getattr(propagator, "propagate_op_sharding", None),
+              getattr(ShardingPropagator, "_propagate_tensor_meta_cached", None),
+              getattr(_redistribute, "_gen_transform_infos", None),
+              getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None))
+    for cache in caches:
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ dispatch's own
+    if native is not None:
+        native()
+
+
 def basic_sweeper_jobs(params: dict, task_overrides: list[str]) -> list[list[str]] | None:
     """Each job's overrides as Hydra's basic sweeper expands a sweep's params and overrides (for the report's
     list of jobs that never started); Hydra exposes the sweeper only through its private module. None for

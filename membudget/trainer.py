@@ -395,12 +395,15 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
 
 
 def _choose_setting(cfg, launch: Launch, device: str):
-    """ac.memory_budget=auto or ac.blocks=auto: planned on fake tensors before the real process group exists,
+    """ac.memory_budget=auto or ac.blocks=auto: planned on fake tensors over a fake process group,
     for the kind of device this run trains on (train.device=auto on a machine without a GPU: the CPU's numerics);
     every rank gets the same answer. Its plan."""
-    from membudget.plan import choose_setting
+    from membudget.plan import choose_setting, choose_setting_apart
 
-    choice, plan = choose_setting(cfg, launch.world_size, device)
+    # a later job of a multirun in this launch has joined its process group, beside which the planner's own
+    # (fake) one cannot be made: it plans in a fresh interpreter
+    choose = choose_setting_apart if dist.is_initialized() else choose_setting
+    choice, plan = choose(cfg, launch.world_size, device)
     key = auto_key(cfg.ac.mode)
     setattr(cfg.ac, key, choice)
     log.info("ac.%s=auto -> %s: %s", key, choice, plan.summary_line())

@@ -2,11 +2,13 @@
 every AC mode and matches the single-process loss curve of the same global batch; FSDP halves what each rank
 holds; only rank 0 writes artefacts and speaks on the console."""
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_COMPILE, read_metrics, read_summary, run_ranks, train_here, train_py_ranks
+from tests.conftest import FAST_COMPILE, compose_cfg, read_metrics, read_summary, run_ranks, train_here, train_py_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -121,3 +123,37 @@ def test_a_hung_rank_fails_its_launch_with_its_stacks(tmp_path):
     ranks = run_ranks(2, hang_in_a_collective, cwd=tmp_path, timeout_s=5)
     assert ranks.returncode == 1 and time.monotonic() - start < 120, ranks.log[-3000:]
     assert "Timeout (0:00:05)!" in ranks.log and "in hang_in_a_collective" in ranks.log, ranks.log[-3000:]
+
+
+def plan_then_train(base: str, *overrides: str) -> None:
+    """Two jobs of one launch, as a multirun under torchrun runs them: FSDP after the planner's fake process group
+    (where ac.memory_budget=auto plans before its rank joins), then TP set to ac.memory_budget=auto, planned after
+    the first job joined the real group."""
+    from membudget.plan import Planner
+    from membudget.trainer import train
+
+    fsdp = compose_cfg(*sized(4), *overrides, "parallelism=fsdp")
+    with Planner(fsdp, world_size=2) as planner:
+        planner.plan(planner.point("none"), "none")
+    train(fsdp, Path(base) / "fsdp")
+    train(compose_cfg(*sized(4), *overrides, "parallelism=tp", "ac=memory_budget", "ac.memory_budget=auto"),
+          Path(base) / "tp")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_ranks_that_planned_train_their_own_shards_and_a_later_auto_job_plans(tmp_path, single):
+    """DTensor caches its sharding decisions by mesh equality, which ignores the rank: once the planner's fake
+    world (every rank plans as rank 0) had filled them, rank 1 of a real mesh of that shape took rank 0's shards
+    (its initial weights, its checkpoint's offsets: no checkpoint could be written, and TP's first loss read 12.5
+    for 6.5). And an auto job after another job of the launch failed: the planner's fake group cannot be made
+    beside the joined one. Each job now gives one process's losses and a checkpoint of its last step."""
+    overrides = ["checkpoint.enabled=true", "checkpoint.every_steps=3", "train.micro_batch_size=1"]
+    ranks = run_ranks(2, plan_then_train, str(tmp_path), *overrides, cwd=tmp_path)
+    assert ranks.returncode == 0, ranks.log[-4000:]
+    for layout, point in (("fsdp", "none"), ("tp", "budget_0.5")):  # any budget: the losses of compiled none
+        reference = [r["loss"] for r in read_metrics(single[point, "false", 4])]
+        assert [r["loss"] for r in read_metrics(tmp_path / layout)] == pytest.approx(reference, rel=1e-4), layout
+        assert (tmp_path / layout / "checkpoints" / "step_0000003").is_dir(), layout
+    assert json.loads((tmp_path / "tp" / "plan.json").read_text())["memory_budget"] == \
+        read_summary(tmp_path / "tp")["memory_budget"]

@@ -16,7 +16,8 @@ settings and chooses among them; `report` and `cli` write the plans.
 
 from .planner import Planner
 from .result import Plan
-from .sweep import SWEEP_BUDGETS, choose, choose_or_explain, choose_setting, plan_setting, plan_sweep
+from .sweep import (SWEEP_BUDGETS, choose, choose_or_explain, choose_setting, choose_setting_apart, plan_setting,
+                    plan_sweep)
 
-__all__ = ["SWEEP_BUDGETS", "Plan", "Planner", "choose", "choose_setting", "choose_or_explain", "plan_setting",
-           "plan_sweep"]
+__all__ = ["SWEEP_BUDGETS", "Plan", "Planner", "choose", "choose_setting", "choose_setting_apart", "choose_or_explain",
+           "plan_setting", "plan_sweep"]

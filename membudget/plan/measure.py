@@ -38,6 +38,7 @@ from membudget.internals import (
     FakeTensorMode,
     below_autograd,
     cached_dtensor_sharding_propagation,
+    clear_dtensor_caches,
     decomposing_partitioning_backend,
     foreach_kernels_on_meta,
     functional_replaced,
@@ -68,11 +69,13 @@ def fake_world(p, world_size: int) -> Iterator[tuple[Optional[object], dict[str,
         raise UserError("the planner runs its own (fake) process group: plan before init_process_group")
     register_fake_process_group()
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
+    clear_dtensor_caches()  # neither world's meshes may reach the other's DTensors (see its docstring)
     try:
         mesh = build_mesh(p, Launch(0, world_size, 0), torch.device("cpu"))
         yield mesh, {mesh.get_group(d).group_name: (d, mesh[d].size()) for d in mesh.mesh_dim_names}
     finally:
         dist.destroy_process_group()
+        clear_dtensor_caches()
 
 
 @contextlib.contextmanager

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import pickle
+import subprocess
+import sys
 from typing import Iterator, Optional
 
 from membudget.errors import UserError
@@ -107,6 +110,33 @@ def choose_setting(cfg, world_size: Optional[int] = None, device: Optional[str] 
     with _planning(cfg, world_size, device, planner) as planner:
         plans = plan_sweep(cfg, references=policies, offload=policies, planner=planner)
         return choose_or_explain(plans, cfg, world_size, planner=planner)
+
+
+def choose_setting_apart(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> tuple[object, Plan]:
+    """choose_setting in a fresh interpreter (its torch import: about 3 s), for a process that has joined a real
+    process group, beside which the planner's fake one cannot be made (a later job of a multirun under torchrun).
+    Its warnings reach this process's stderr; its UserError is raised here."""
+    child = subprocess.run([sys.executable, "-c", "from membudget.plan.sweep import _choose_for_parent; "
+                            "_choose_for_parent()"], input=pickle.dumps((cfg, world_size, device)),
+                           stdout=subprocess.PIPE)
+    if child.returncode != 0:
+        raise UserError(f"ac.{auto_key(cfg.ac.mode)}=auto: the planner's process failed (exit status "
+                        f"{child.returncode}, its error above); plan the run with python -m membudget.plan")
+    outcome, value = pickle.loads(child.stdout)
+    if outcome == "error":
+        raise UserError(value)
+    return value
+
+
+def _choose_for_parent() -> None:
+    """choose_setting_apart's child: (cfg, world_size, device) pickled on stdin, ("ok", (choice, plan)) or
+    ("error", its UserError's line) pickled on stdout."""
+    cfg, world_size, device = pickle.load(sys.stdin.buffer)
+    try:
+        outcome = ("ok", choose_setting(cfg, world_size, device))
+    except UserError as e:
+        outcome = ("error", str(e))
+    sys.stdout.buffer.write(pickle.dumps(outcome))
 
 
 def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int], device: Optional[str] = None,
