@@ -337,9 +337,11 @@ class Checkpointer:
         else:
             why = "it failed on another rank"
         where = getattr(error, "filename", None) or tmp
+        disk = isinstance(error, OSError) or (free is not None and free < 64 * MiB)
+        fix = ("free space, then rerun the same command to resume" if disk or error is None else
+               "rerun the same command to resume; not a disk error: report it with this run's train.log")
         raise UserError(f"checkpoint step {step}: could not write {where} ({why}); the earlier checkpoints are "
-                        f"intact{f' (latest {latest})' if latest else ''}: free space, then rerun the same command "
-                        "to resume") from None
+                        f"intact{f' (latest {latest})' if latest else ''}: {fix}") from None
 
     # --- resume ---------------------------------------------------------------------------------------------
 

@@ -80,6 +80,24 @@ def test_killed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, cut):
     assert sorted(p.name for p in checkpointer.dir.iterdir()) == ["step_0000003"]
 
 
+def test_a_save_that_fails_but_not_for_the_disk_does_not_send_the_user_to_free_space(tmp_path, monkeypatch):
+    """DCP's own error (a global plan whose shards do not cover a tensor, as when a rank held another's shards):
+    one line with the error, the earlier checkpoint kept, and no advice to free space."""
+    checkpointer = Checkpointer(tmp_path, CheckpointConfig(keep=2))
+    good = checkpointer.save(1, *tiny_run(), extra={})
+
+    def invalid_plan(*args, **kwargs):
+        raise ValueError("Failed to validate global plan")
+
+    monkeypatch.setattr(checkpoint_module.dcp, "save", invalid_plan)
+    with pytest.raises(UserError) as err:
+        checkpointer.save(2, *tiny_run(), extra={})
+    message = str(err.value)
+    assert "\n" not in message and "(ValueError: Failed to validate global plan)" in message
+    assert f"(latest {good})" in message and "free space" not in message and "report it" in message
+    assert checkpointer.saved() == [good]
+
+
 def test_keeps_the_last_k_checkpoints_and_resaves_a_step(tmp_path):
     checkpointer = Checkpointer(tmp_path, CheckpointConfig(keep=2))
     for step in (1, 2, 3, 4):
