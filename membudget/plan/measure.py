@@ -66,7 +66,8 @@ def fake_world(p, world_size: int) -> Iterator[tuple[Optional[object], dict[str,
         yield None, {}
         return
     if dist.is_initialized():
-        raise UserError("the planner runs its own (fake) process group: plan before init_process_group")
+        raise UserError("the planner runs its own (fake) process group: plan before init_process_group, or in a fresh "
+                        "interpreter (membudget.plan.choose_setting_apart)")
     register_fake_process_group()
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world_size)
     clear_dtensor_caches()  # neither world's meshes may reach the other's DTensors (see its docstring)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import pickle
 import subprocess
 import sys
@@ -132,11 +133,15 @@ def _choose_for_parent() -> None:
     """choose_setting_apart's child: (cfg, world_size, device) pickled on stdin, ("ok", (choice, plan)) or
     ("error", its UserError's line) pickled on stdout."""
     cfg, world_size, device = pickle.load(sys.stdin.buffer)
+    result = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever else writes to stdout (print, a C library) goes to stderr, not into the pickle
+    sys.stdout = sys.stderr
     try:
         outcome = ("ok", choose_setting(cfg, world_size, device))
     except UserError as e:
         outcome = ("error", str(e))
-    sys.stdout.buffer.write(pickle.dumps(outcome))
+    with result:
+        result.write(pickle.dumps(outcome))
 
 
 def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int], device: Optional[str] = None,
