@@ -94,6 +94,20 @@ def test_an_auto_plan_that_cannot_be_written_is_one_line_and_leaves_no_half_file
     assert sorted(p.name for p in tiny_disk.iterdir()) == ["filler"]
 
 
+@pytest.mark.slow
+def test_a_planner_process_that_fails_is_one_line_with_its_error_above(capfd):
+    """An auto job that plans in a fresh interpreter (a later job of a multirun under torchrun,
+    plan.choose_setting_apart): a child that dies (here a device torch does not know) is one line naming the key,
+    with the child's traceback on stderr above it."""
+    from membudget.plan import choose_setting_apart
+
+    with pytest.raises(UserError) as err:
+        choose_setting_apart(compose_cfg(*TINY, "ac=memory_budget", "ac.memory_budget=auto"), 1, "tpu")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("ac.memory_budget=auto: the planner's process failed")
+    assert "exit status 1" in message and "RuntimeError" in capfd.readouterr().err
+
+
 def test_a_run_not_set_to_auto_removes_the_plan_an_earlier_auto_start_wrote(tmp_path):
     """A resume may change the AC setting: the auto plan left by the run's first start no longer says what runs
     (the report would show it beside the job), so a start that is not auto removes it."""
