@@ -532,7 +532,8 @@ def compact_policies(policies: list[BlockPolicy]) -> str:
 
 
 def block_policies(ac, n_layers: int) -> list[BlockPolicy]:
-    """Each block's policy under any AC setting (None for ac.blocks=auto, which the planner decides)."""
+    """Each block's policy under any AC setting; an auto setting (schema.is_auto) has none until the planner
+    chooses them (ValueError)."""
     mode = str(_get(ac, "mode", "none"))
     if mode == ACMode.per_block:
         return parse_block_policies(_get(ac, "blocks"))
