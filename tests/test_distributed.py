@@ -145,8 +145,8 @@ def plan_then_train(base: str, *overrides: str) -> None:
 def test_ranks_that_planned_train_their_own_shards_and_a_later_auto_job_plans(tmp_path, single):
     """DTensor caches its sharding decisions by mesh equality, which ignores the rank: once the planner's fake
     world (every rank plans as rank 0) had filled them, rank 1 of a real mesh of that shape took rank 0's shards
-    (its initial weights, its checkpoint's offsets: no checkpoint could be written, and TP's first loss read 12.5
-    for 6.5). And an auto job after another job of the launch failed: the planner's fake group cannot be made
+    (its initial weights, its checkpoint's offsets: no checkpoint could be written, and TP's second loss read 12.56
+    for 6.29). And an auto job after another job of the launch failed: the planner's fake group cannot be made
     beside the joined one. Each job now gives one process's losses and a checkpoint of its last step."""
     overrides = ["checkpoint.enabled=true", "checkpoint.every_steps=3", "train.micro_batch_size=1"]
     ranks = run_ranks(2, plan_then_train, str(tmp_path), *overrides, cwd=tmp_path)
