@@ -159,12 +159,17 @@ def _budget_key(ac: Any) -> str:
     return f"ac.blocks={ac.blocks}" if ac.mode == ACMode.per_block else "ac=memory_budget"
 
 
+def check_auto_target(ac: Any) -> None:
+    """ac.target_memory_gib, the memory an auto setting must fit: unset (the device's) or a positive number."""
+    if ac.target_memory_gib is not None and not 0 < ac.target_memory_gib < math.inf:
+        fail("ac.target_memory_gib", ac.target_memory_gib, "set a positive number of GiB per rank")
+
+
 def check_block_policies(cfg: Any) -> None:
     """ac.blocks: one known policy per block, budgets in [0, 1], or auto."""
     ac, n = cfg.ac, cfg.model.n_layers
     if is_auto(ac):
-        if ac.target_memory_gib is not None and not 0 < ac.target_memory_gib < math.inf:
-            fail("ac.target_memory_gib", ac.target_memory_gib, "set a positive number of GiB per rank")
+        check_auto_target(ac)
         return
     try:
         policies = parse_block_policies(ac.blocks)
@@ -190,8 +195,7 @@ def check_budget(cfg: Any, planning: bool = False) -> None:
                  "ac=memory_budget ac.memory_budget=sweep; train with a number or auto")
         return
     if budget == "auto":
-        if ac.target_memory_gib is not None and not 0 < ac.target_memory_gib < math.inf:
-            fail("ac.target_memory_gib", ac.target_memory_gib, "set a positive number of GiB per rank")
+        check_auto_target(ac)
         return
     if isinstance(budget, str):
         try:

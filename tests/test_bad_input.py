@@ -99,6 +99,8 @@ CASES = [
     run("budget-eager", "compile.backend", MB, "compile.backend=eager"),
     run("budget-above-1", "ac.memory_budget", MB, "ac.memory_budget=1.5"),
     run("budget-negative", "ac.memory_budget", MB, "ac.memory_budget=-0.1"),
+    run("auto-budget-target-negative", "ac.target_memory_gib", MB, "ac.memory_budget=auto", "ac.target_memory_gib=-1"),
+    run("auto-blocks-target-zero", "ac.target_memory_gib", "ac=per_block", "ac.blocks=auto", "ac.target_memory_gib=0"),
     run("budget-nan", "ac.memory_budget", MB, "ac.memory_budget=nan"),
     run("budget-string", "ac.memory_budget", MB, "ac.memory_budget=abc"),
     run("budget-sweep", "ac.memory_budget", MB, "ac.memory_budget=sweep"),
