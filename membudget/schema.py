@@ -417,6 +417,10 @@ class PlanConfig:
     expandable_segments: Optional[bool] = None
     """Whether the run's CUDA caching allocator uses expandable segments; null: as PYTORCH_CUDA_ALLOC_CONF in
     the planning environment says (the run inherits it)."""
+    budgets: list[float] = field(default_factory=lambda: [round(0.1 * i, 1) for i in range(11)])
+    """The single memory budgets a sweep plans (ac.memory_budget=sweep) and auto chooses among (and mixes per
+    block), each in [0, 1]. Each is a compile and a probe of its own: fewer plan sooner, e.g.
+    plan.budgets=[0.3,0.5,0.7] around a known good region."""
 
 
 @dataclass

@@ -92,6 +92,7 @@ CASES = [
     hydra("tokenizer-name-as-option", "tokenizer/tiktoken", "tokenizer=tiktoken"),  # it is tokenizer=llama3
     hydra("unknown-logger", "logger/tensorboard", "logger=tensorboard"),
     hydra("unknown-experiment", "experiment/nope", "experiment=nope"),
+    hydra("plan-budgets-words", "plan.budgets", "plan.budgets=[low,high]"),
     hydra("unknown-ac-point", "ac_point/budget_1.1", "+ac_point=budget_1.1"),
     # ---- AC and compile
     run("budget-without-compile", "compile.enabled", MB, "compile.enabled=false"),
@@ -101,6 +102,9 @@ CASES = [
     run("budget-negative", "ac.memory_budget", MB, "ac.memory_budget=-0.1"),
     run("auto-budget-target-negative", "ac.target_memory_gib", MB, "ac.memory_budget=auto", "ac.target_memory_gib=-1"),
     run("auto-blocks-target-zero", "ac.target_memory_gib", "ac=per_block", "ac.blocks=auto", "ac.target_memory_gib=0"),
+    run("auto-grid-above-1", "plan.budgets", MB, "ac.memory_budget=auto", "plan.budgets=[0.5,1.5]"),
+    run("auto-grid-empty", "plan.budgets", MB, "ac.memory_budget=auto", "plan.budgets=[]"),
+    run("auto-grid-twice", "plan.budgets", "ac=per_block", "ac.blocks=auto", "plan.budgets=[0.5,0.5]"),
     run("budget-nan", "ac.memory_budget", MB, "ac.memory_budget=nan"),
     run("budget-string", "ac.memory_budget", MB, "ac.memory_budget=abc"),
     run("budget-sweep", "ac.memory_budget", MB, "ac.memory_budget=sweep"),
@@ -252,10 +256,11 @@ def test_bad_input_fails_fast_in_one_line_without_leftovers(case, bad_files, tmp
 
 
 def suggested_overrides(message: str) -> list[str]:
-    """The overrides a message suggests (`tokenizer=llama3`, `ac.memory_budget=0.5*4`), placeholders left out."""
+    """The overrides a message suggests (`tokenizer=llama3`, `ac.memory_budget=0.5*4`, `plan.budgets=[0.3,0.5]`),
+    placeholders left out."""
     fix = message.split(": ", 1)[1] if ": " in message else ""
     found = []
-    for key, value in re.findall(r"(?<![\w.])(\+?[a-z_]+(?:[./][a-z_]+)*)=([^\s,;()'\"`]+)", fix):
+    for key, value in re.findall(r"(?<![\w.])(\+?[a-z_]+(?:[./][a-z_]+)*)=(\[[^\]\s]*\]|[^\s,;()'\"`]+)", fix):
         value = value.rstrip(".")
         if key.lstrip("+").split(".")[0].split("/")[0] not in SECTIONS + GROUPS or "<" in value or value.isupper():
             continue

@@ -77,8 +77,9 @@ def chosen():
     with Planner(cfg) as planner:
         low, high = (planner.plan(planner.point("memory_budget", b)) for b in (0.5, 0.6))
     target_gib = limit_for((low.judged_bytes + high.judged_bytes) / 2) / GiB
+    # the budgets around the gap (the others: lower peaks and more recompute than 0.5, or above 0.6's peak)
     budget, plan_ = choose_setting(compose_cfg(*LARGE, "ac=memory_budget", "ac.memory_budget=auto",
-                                              f"ac.target_memory_gib={target_gib}"))
+                                              f"ac.target_memory_gib={target_gib}", "plan.budgets=[0.4,0.5,0.6,0.7]"))
     return budget, plan_, low, high, target_gib
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from membudget.errors import UserError
-from membudget.plan import SWEEP_BUDGETS, choose, choose_or_explain, plan_setting
+from membudget.plan import choose, choose_or_explain, plan_setting
 from membudget.rules import validate
 from membudget.units import GiB
 from tests.conftest import FAST_COMPILE, compose_cfg, hydra_main_here
@@ -27,7 +27,7 @@ def test_the_cli_sweeps_chooses_and_writes_its_plans(tmp_path):
     result = json.loads((run_dir / "plan.json").read_text())
     plans = result["plans"]
     assert [p["label"] for p in plans[:3]] == ["none", "full", "selective op"]
-    assert [p["memory_budget"] for p in plans[3:]] == list(SWEEP_BUDGETS)
+    assert [p["memory_budget"] for p in plans[3:]] == [i / 10 for i in range(11)]  # plan.budgets' default
     budgets = {p["memory_budget"]: p for p in plans[3:]}
     none, full = plans[0], plans[1]
     assert budgets[0.0]["activations"] < budgets[1.0]["activations"] <= none["activations"]
@@ -105,7 +105,7 @@ def test_a_sharded_plan_shows_its_setting_under_each_reshard_policy(tmp_path):
 
 
 def test_auto_says_what_would_fit_when_no_budget_does():
-    plans = [plan(f"memory_budget {b}", b, verdict="does not fit") for b in SWEEP_BUDGETS]
+    plans = [plan(f"memory_budget {b}", b, verdict="does not fit") for b in (0.0, 0.5, 1.0)]
     plans.append(plan("full", None, verdict="does not fit"))
     assert choose(plans) is None
     with pytest.raises(UserError) as info:

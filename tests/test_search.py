@@ -253,7 +253,7 @@ def test_the_search_finds_the_grids_best_tradeoff_with_fewer_jobs_and_the_planne
     deterministic: each run's measured activation bytes, and the planner's FLOPs for its setting (recompute
     read off the planned budget line at the measured bytes). The search's own decisions never look at step
     times either (the AC sampler bisects on memory)."""
-    from membudget.plan import SWEEP_BUDGETS, Planner, choose
+    from membudget.plan import Planner, choose
     from membudget.plan.result import DOES_NOT_FIT, FITS, fits_within
     from membudget.trainer import train
 
@@ -268,7 +268,7 @@ def test_the_search_finds_the_grids_best_tradeoff_with_fewer_jobs_and_the_planne
     # the planner: every grid budget (what ac.memory_budget=auto chooses from), and the reference modes
     cfg = compose_cfg(*PROOF, "ac=memory_budget", "train.device=cpu")
     with Planner(cfg) as planner:
-        plans = {f"memory_budget {b}": planner.plan(planner.point("memory_budget", b), str(b)) for b in SWEEP_BUDGETS}
+        plans = {f"memory_budget {b}": planner.plan(planner.point("memory_budget", b), str(b)) for b in cfg.plan.budgets}
         for mode, option in (("none", None), ("full", None), ("selective", "op"), ("selective", "2")):
             point = planner.point(mode)
             if option:

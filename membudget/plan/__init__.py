@@ -1,7 +1,7 @@
 """Plan a run's memory and speed per rank before running it, from the same config as train.py.
 
     python -m membudget.plan model=llama3_8b parallelism=fsdp plan.world_size=64 train.seq_len=8192 ac=full
-    python -m membudget.plan ... ac=memory_budget ac.memory_budget=sweep  # budgets 0.0..1.0, none/full/selective
+    python -m membudget.plan ... ac=memory_budget ac.memory_budget=sweep  # plan.budgets, none/full/selective
     python -m membudget.plan ... ac=memory_budget ac.memory_budget=auto   # the fastest budget that fits
     python -m membudget.plan ... ac=per_block                             # the fastest policy per block that fits
 
@@ -16,8 +16,8 @@ settings and chooses among them; `report` and `cli` write the plans.
 
 from .planner import Planner
 from .result import Plan
-from .sweep import (SWEEP_BUDGETS, choose, choose_or_explain, choose_setting, choose_setting_apart, plan_setting,
+from .sweep import (choose, choose_or_explain, choose_setting, choose_setting_apart, plan_setting,
                     plan_sweep)
 
-__all__ = ["SWEEP_BUDGETS", "Plan", "Planner", "choose", "choose_setting", "choose_setting_apart", "choose_or_explain",
+__all__ = ["Plan", "Planner", "choose", "choose_setting", "choose_setting_apart", "choose_or_explain",
            "plan_setting", "plan_sweep"]

@@ -20,7 +20,6 @@ from .planner import Planner
 from .result import NO_LIMIT, Plan
 
 
-SWEEP_BUDGETS = tuple(round(0.1 * i, 1) for i in range(11))
 OFFLOADS = ("none", "selective", "full")  # what an offloading block also does (ac.offload_with)
 
 
@@ -83,12 +82,12 @@ def _planning(cfg, world_size: Optional[int], device: Optional[str], planner: Op
 
 def plan_sweep(cfg, world_size: Optional[int] = None, references: bool = True,
                device: Optional[str] = None, offload: bool = False, planner: Optional[Planner] = None) -> list[Plan]:
-    """none, full, selective (as configured) and memory budgets 0.0, 0.1, ..., 1.0; `offload`: also every block
+    """none, full, selective (as configured) and the memory budgets of plan.budgets; `offload`: also every block
     offloading (with none, selective op and full AC), where that saves device memory (a GPU). `planner`: an open
     Planner of `cfg` to plan with (what a Planner measures once, all its plans share); None: one of its own."""
     with _planning(cfg, world_size, device, planner) as planner:
         points = [(m, None, {}) for m in ("none", "full", "selective")] if references else []
-        points += [("memory_budget", b, {}) for b in SWEEP_BUDGETS]
+        points += [("memory_budget", b, {}) for b in cfg.plan.budgets]
         if offload and planner.device.is_gpu:
             points += [("offload", None, {"offload_with": w, "selective_option": "op"}) for w in OFFLOADS]
         return [planner.plan(planner.point(m, b, **ac), _label(cfg, m, b, **ac)) for m, b, ac in points]
