@@ -219,8 +219,9 @@ def test_host_link_model_overlaps_copies_with_compute():
 def test_auto_chooses_policies_per_block_that_fit_and_train_as_planned(tmp_path):
     """Between the peaks of the single settings, a mix of policies planned as a whole that fits and beats every
     single setting that fits (on a CPU: less recompute); ac.blocks=auto there trains with the planned bytes."""
+    # three budgets beside none, full and selective: the point is the mix, not the grid (that is test_plan_cli's)
     large = ["logger=none", "train.device=cpu", FAST_COMPILE, "train.seq_len=256", "train.global_batch_size=8",
-             "model.n_layers=2"]
+             "model.n_layers=2", "plan.budgets=[0.0,0.5,1.0]"]
     cfg = compose_cfg(*large, "ac=per_block", "ac.blocks=auto")
     with Planner(cfg) as planner:  # one for the sweep and the mixes, as the trainer's choice plans them
         plans = plan_sweep(cfg, planner=planner)
