@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from membudget.errors import UserError
-from tests.conftest import (ROOT, TINY, compose_cfg, read_metrics, read_summary, small_tmpfs, subprocess_env,
+from tests.conftest import (FAST_COMPILE, ROOT, TINY, compose_cfg, read_metrics, read_summary, small_tmpfs, subprocess_env,
                             train_here)
 
 # --- a full disk while metrics are appended ---------------------------------------------------------------------
@@ -106,6 +106,22 @@ def test_a_planner_process_that_fails_is_one_line_with_its_error_above(capfd):
     message = str(err.value)
     assert "\n" not in message and message.startswith("ac.memory_budget=auto: the planner's process failed")
     assert "exit status 1" in message and "RuntimeError" in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_choice_that_does_not_fit_in_the_planner_process_is_its_own_line():
+    """The same child when nothing fits: its UserError comes back as the same one line that planning in this
+    process gives (what would fit, the fixes), not as a failed process."""
+    from membudget.plan import choose_setting, choose_setting_apart
+
+    cfg = compose_cfg(*TINY, FAST_COMPILE, "model.n_layers=2", "ac=memory_budget", "ac.memory_budget=auto",
+                      "ac.target_memory_gib=0.0001", "plan.budgets=[0.0]")
+    with pytest.raises(UserError) as apart:
+        choose_setting_apart(cfg, 1, "cpu")
+    with pytest.raises(UserError) as here:
+        choose_setting(cfg, 1, "cpu")
+    assert str(apart.value) == str(here.value)
+    assert "\n" not in str(apart.value) and "no setting fits" in str(apart.value)
 
 
 def test_a_run_not_set_to_auto_removes_the_plan_an_earlier_auto_start_wrote(tmp_path):
