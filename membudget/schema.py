@@ -577,6 +577,11 @@ def compact_budgets(budgets: list[float]) -> Union[float, str]:
     return _compact(budgets, lambda b: f"{b:g}")
 
 
+def budget_list(budgets) -> str:
+    """plan.budgets as typed on the command line: "[0.3,0.5,0.7]"."""
+    return "[" + ",".join(f"{b:g}" for b in budgets) + "]"
+
+
 def _compact(values: list, spell) -> str:
     runs: list[list] = []
     for v in values:

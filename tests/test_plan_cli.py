@@ -112,6 +112,12 @@ def test_auto_says_what_would_fit_when_no_budget_does():
         choose_or_explain(plans, compose_cfg(), None)
     message = str(info.value)
     assert "\n" not in message and "ac=full" in message and "micro_batch_size" in message and "fsdp" in message
+    assert "plan.budgets" not in message  # the grid already holds budget 0.0
+    # a grid without 0.0 (plan.budgets): the fix says to try it, as an override that composes
+    with pytest.raises(UserError) as info:
+        choose_or_explain(plans, compose_cfg("plan.budgets=[0.7,0.5]"), None)
+    fix = "plan.budgets=[0,0.5,0.7]"
+    assert fix in str(info.value) and compose_cfg(fix).plan.budgets == [0.0, 0.5, 0.7]
 
 
 def test_budget_auto_and_sweep_in_config():

@@ -12,7 +12,7 @@ import sys
 from typing import Iterator, Optional
 
 from membudget.errors import UserError
-from membudget.schema import Reshard, ac_label, auto_key, is_auto
+from membudget.schema import Reshard, ac_label, auto_key, budget_list, is_auto
 from membudget.units import gib
 
 from .blocks import best_single, choose_mix, single_budgets
@@ -161,8 +161,10 @@ def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int], device:
         full = next((p for p in plans if p.ac_mode == "full"), None)
         if full is None:
             full = planner.plan(planner.point("full"), "full")
+    grid = sorted(cfg.plan.budgets)
+    lower = "" if grid[0] == 0.0 else f"let auto try budget 0.0 (plan.budgets={budget_list([0.0, *grid])}), "
     raise UserError(
         f"{key}=auto: no setting fits {gib(lowest.limit)} GiB per rank on {lowest.device.name} "
         f"(lowest planned reserved peak {gib(lowest.reserved_peak)} GiB, {lowest.label}: {lowest.verdict}); "
-        f"ac=full plans {gib(full.reserved_peak)} GiB ({full.verdict}); or lower train.micro_batch_size / "
+        f"ac=full plans {gib(full.reserved_peak)} GiB ({full.verdict}); or {lower}lower train.micro_batch_size / "
         f"train.seq_len, or shard over more ranks (parallelism=fsdp with a larger plan.world_size)")
