@@ -335,7 +335,8 @@ def check_plan(cfg: Any) -> None:
     """plan.budgets: the budgets a sweep plans and auto chooses among, at least one, each in [0, 1], each once."""
     budgets = list(cfg.plan.budgets)
     if not budgets or any(math.isnan(b) or not 0.0 <= b <= 1.0 for b in budgets) or len(set(budgets)) < len(budgets):
-        raise UserError(f"plan.budgets={budget_list(budgets)}: give distinct numbers in [0, 1], e.g. plan.budgets=[0.3,0.5,0.7]")
+        raise UserError(f"plan.budgets={budget_list(budgets)}: give distinct numbers in [0, 1], "
+                        "e.g. plan.budgets=[0.3,0.5,0.7]")
 
 
 SECTIONS = (check_ac, check_model, check_optimizer, check_checkpoint, check_data, check_plan)
