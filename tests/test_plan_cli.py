@@ -42,7 +42,7 @@ def test_the_cli_sweeps_chooses_and_writes_its_plans(tmp_path):
     assert any(not p["fits"] for p in plans[3:])
     assert result["reshard_policies"] == []  # one process: FSDP shards nothing
     text = (run_dir / "plan.md").read_text()
-    assert "**chosen**" in text and "a CPU run: planned against this host's available memory" in text
+    assert "**chosen**" in text and "a CPU run: its memory is this host's available memory" in text
     assert (run_dir / "sweep.png").stat().st_size > 1000
     assert (run_dir / "sweep.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
 

@@ -37,7 +37,7 @@ def assumed_device(plan_cfg, target: str, local_ranks: int = 1) -> Device:
         except ImportError:
             memory = 0
         shared = f" shared by {local_ranks} ranks" if local_ranks > 1 else ""
-        device = Device("cpu", memory, reason=f"a CPU run: planned against this host's available memory{shared}")
+        device = Device("cpu", memory, reason=f"a CPU run: its memory is this host's available memory{shared}")
     elif str(plan_cfg.gpu).lower() == "auto":
         if torch.cuda.is_available():
             name = torch.cuda.get_device_name(0)
