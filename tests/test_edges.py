@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from membudget.errors import UserError
-from tests.conftest import (FAST_COMPILE, ROOT, TINY, compose_cfg, read_metrics, read_summary, small_tmpfs, subprocess_env,
-                            train_here)
+from tests.conftest import (FAST_COMPILE, ROOT, TINY, compose_cfg, read_metrics, read_summary, small_tmpfs,
+                            subprocess_env, train_here)
 
 # --- a full disk while metrics are appended ---------------------------------------------------------------------
 
