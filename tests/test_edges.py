@@ -121,7 +121,7 @@ def test_a_choice_that_does_not_fit_in_the_planner_process_is_its_own_line():
     with pytest.raises(UserError) as here:
         choose_setting(cfg, 1, "cpu")
     assert str(apart.value) == str(here.value)
-    assert "\n" not in str(apart.value) and "no setting fits" in str(apart.value)
+    assert "\n" not in str(apart.value) and "no budget fits" in str(apart.value)
 
 
 def test_a_run_not_set_to_auto_removes_the_plan_an_earlier_auto_start_wrote(tmp_path):

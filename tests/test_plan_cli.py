@@ -120,6 +120,21 @@ def test_auto_says_what_would_fit_when_no_budget_does():
     assert fix in str(info.value) and compose_cfg(fix).plan.budgets == [0.0, 0.5, 0.7]
 
 
+def test_when_no_budget_fits_the_line_names_the_lowest_budget_and_what_else_would():
+    """A sweep that also plans the modes (python -m membudget.plan): auto chooses among the budgets only, so the
+    line names the lowest budget's peak, and ac=full, which fits, as the fix (it read "no setting fits ... lowest
+    planned reserved peak 45.29 GiB, offload: fits" for 8B on 8 ranks with plan.budgets=[0.3,0.5,0.7])."""
+    budgets = [plan(f"memory_budget {b}", b, reserved=int((76 + 10 * b) * GiB), verdict="does not fit")
+               for b in (0.3, 0.5)]
+    full = plan("full", None, reserved=50 * GiB)
+    with pytest.raises(UserError) as info:
+        choose_or_explain([full, *budgets], compose_cfg("plan.budgets=[0.3,0.5]"), None)
+    message = str(info.value)
+    assert "no budget fits" in message and "75.00 GiB" in message, message
+    assert "lowest planned reserved peak 79.00 GiB, memory_budget 0.3: does not fit" in message, message
+    assert "ac=full plans 50.00 GiB (fits)" in message, message
+
+
 def test_budget_auto_and_sweep_in_config():
     validate(compose_cfg("ac=memory_budget", "ac.memory_budget=auto", "ac.target_memory_gib=70"))
     with pytest.raises(UserError, match="set plan.world_size"):

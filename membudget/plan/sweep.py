@@ -157,14 +157,15 @@ def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int], device:
         chosen = mixed or best
         if chosen is not None:
             return (chosen.policies if key == "ac.blocks" else chosen.memory_budget), chosen
-        lowest = min(plans, key=lambda p: p.reserved_peak)
+        lowest = min(candidates, key=lambda p: p.reserved_peak)  # of what auto may choose: the others are fixes
         full = next((p for p in plans if p.ac_mode == "full"), None)
         if full is None:
             full = planner.plan(planner.point("full"), "full")
     grid = sorted(cfg.plan.budgets)
     lower = "" if grid[0] == 0.0 else f"let auto try budget 0.0 (plan.budgets={budget_list([0.0, *grid])}), "
     raise UserError(
-        f"{key}=auto: no setting fits {gib(lowest.limit)} GiB per rank on {lowest.device.name} "
+        f"{key}=auto: no {'setting' if key == 'ac.blocks' else 'budget'} fits {gib(lowest.limit)} GiB per rank on "
+        f"{lowest.device.name} "
         f"(lowest planned reserved peak {gib(lowest.reserved_peak)} GiB, {lowest.label}: {lowest.verdict}); "
         f"ac=full plans {gib(full.reserved_peak)} GiB ({full.verdict}); or {lower}lower train.micro_batch_size / "
         f"train.seq_len, or shard over more ranks (parallelism=fsdp with a larger plan.world_size)")
