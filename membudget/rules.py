@@ -160,6 +160,11 @@ def _budget_key(ac: Any) -> str:
     return f"ac.blocks={ac.blocks}" if ac.mode == ACMode.per_block else "ac=memory_budget"
 
 
+def is_budget(value: float) -> bool:
+    """A memory budget is a number in [0, 1] (NaN is not)."""
+    return 0.0 <= value <= 1.0
+
+
 def check_auto_target(ac: Any) -> None:
     """ac.target_memory_gib, the memory an auto setting must fit: unset (the device's) or a positive number."""
     if ac.target_memory_gib is not None and not 0 < ac.target_memory_gib < math.inf:
@@ -181,7 +186,7 @@ def check_block_policies(cfg: Any) -> None:
         fail("ac.blocks", ac.blocks, f"gives {len(policies)} policies but model.n_layers={n}; give one per block, "
              f"e.g. ac.blocks='full*{n // 2}+none*{n - n // 2}'")
     for p in policies:
-        if p.compiled and (math.isnan(p.budget) or not 0.0 <= p.budget <= 1.0):
+        if p.compiled and not is_budget(p.budget):
             fail("ac.blocks", ac.blocks, "budgets are numbers in [0, 1] (budget:0.0 recomputes the whole compiled "
                  f"block, budget:1.0 is the default plan), e.g. ac.blocks='budget:0.3*{n}'")
 
@@ -210,7 +215,7 @@ def check_budget(cfg: Any, planning: bool = False) -> None:
     else:
         budgets = [budget]
     for b in budgets:
-        if math.isnan(b) or not 0.0 <= b <= 1.0:
+        if not is_budget(b):
             fail("ac.memory_budget", budget,
                  "set numbers in [0, 1]: 0.0 recomputes the whole compiled block, 1.0 is the default plan")
 
@@ -334,7 +339,7 @@ def check_data(cfg: Any) -> None:
 def check_plan(cfg: Any) -> None:
     """plan.budgets: the budgets a sweep plans and auto chooses among, at least one, each in [0, 1], each once."""
     budgets = list(cfg.plan.budgets)
-    if not budgets or any(math.isnan(b) or not 0.0 <= b <= 1.0 for b in budgets) or len(set(budgets)) < len(budgets):
+    if not budgets or not all(map(is_budget, budgets)) or len(set(budgets)) < len(budgets):
         raise UserError(f"plan.budgets={budget_list(budgets)}: give distinct numbers in [0, 1], "
                         "e.g. plan.budgets=[0.3,0.5,0.7]")
 

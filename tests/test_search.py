@@ -268,7 +268,8 @@ def test_the_search_finds_the_grids_best_tradeoff_with_fewer_jobs_and_the_planne
     # the planner: every grid budget (what ac.memory_budget=auto chooses from), and the reference modes
     cfg = compose_cfg(*PROOF, "ac=memory_budget", "train.device=cpu")
     with Planner(cfg) as planner:
-        plans = {f"memory_budget {b}": planner.plan(planner.point("memory_budget", b), str(b)) for b in cfg.plan.budgets}
+        plans = {f"memory_budget {b}": planner.plan(planner.point("memory_budget", b), str(b))
+                 for b in cfg.plan.budgets}
         for mode, option in (("none", None), ("full", None), ("selective", "op"), ("selective", "2")):
             point = planner.point(mode)
             if option:
