@@ -132,9 +132,10 @@ class Ranks:
         return self.failure + self.console
 
 
-# Forked by every run_ranks rank: what the ranks import is imported once, by the fork server.
-_RANK_IMPORTS = ["torch", "membudget.trainer", "train", "tests.conftest", "tests.checkpoint_driver",
-                 "tests.plan_real_step"]
+# Forked by every run_ranks rank: what the ranks import is imported once, by the fork server. Dynamo and the
+# compiler's front end too, which a rank would import at its first compiled call (1.5 CPU-s a rank).
+_RANK_IMPORTS = ["torch", "torch._dynamo", "torch._inductor.compile_fx", "membudget.trainer", "train", "tests.conftest",
+                 "tests.checkpoint_driver", "tests.plan_real_step"]
 
 
 # A rank of run_ranks that has not returned by then prints its threads' stacks and exits: its launch fails with
