@@ -15,6 +15,7 @@ data-parallel option: `fully_shard` over (dp_replicate, dp_shard) is HSDP, over 
 from __future__ import annotations
 
 import contextlib
+import datetime
 from typing import Iterator, Optional
 
 import torch
@@ -209,10 +210,19 @@ def all_reduce(values: list[float], op: dist.ReduceOp, device: torch.device) -> 
     return t.tolist()
 
 
-def broadcast_object(obj, device: torch.device):
-    """Rank 0's `obj` on every rank (the run dir, the checkpoint to resume: one decision for the job)."""
+def broadcast_object(obj, device: torch.device, timeout_s: Optional[float] = None):
+    """Rank 0's `obj` on every rank (the run dir, the checkpoint to resume: one decision for the job).
+    `timeout_s`: how long the other ranks wait for it, where rank 0 may take longer than the process group's
+    timeout to decide (over a gloo group of its own, made and destroyed here)."""
     if not dist.is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    if timeout_s is None:
+        dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+        return box[0]
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        dist.broadcast_object_list(box, src=0, group=group)
+    finally:
+        dist.destroy_process_group(group)
     return box[0]

@@ -329,13 +329,13 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
         log.warning("parallelism=%s on one process: nothing is sharded or replicated; launch it with "
                     "`torchrun --nproc-per-node N train.py ...` or `srun`", cfg.parallelism.name)
     device = pick_device(str(cfg.train.device), launch)
+    init_distributed(launch, device, cfg.parallelism.timeout_s)  # once per process: a multirun's jobs share it
+    quiet_console(launch.is_main)
     if is_auto(cfg.ac):
         chosen = _choose_setting(cfg, launch, device.type)
         validate(cfg, launch.world_size)  # the choice too: e.g. full blocks compiled under TP
     else:
         chosen = None
-    init_distributed(launch, device, cfg.parallelism.timeout_s)  # once per process: a multirun's jobs share it
-    quiet_console(launch.is_main)
     _at("the check that every rank has the same config and data", None)
     data = data_fingerprint(cfg.data, cfg.tokenizer)
     if unpinned := unpinned_hub_data(cfg.data):
@@ -394,19 +394,40 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
                peak_flops=device_peak_flops(device, numerics.bf16, cfg.train.peak_flops), plan=chosen)
 
 
+# How long the other ranks wait for rank 0's auto plan, past the process group's timeout: the 8B grid took 2
+# minutes on this project's 2-core test machine (README, "Planning memory and speed"); any grid is well within it
+PLAN_WAIT_S = 3 * 3600
+CPU = torch.device("cpu")
+
+
 def _choose_setting(cfg, launch: Launch, device: str):
     """ac.memory_budget=auto or ac.blocks=auto: planned on fake tensors over a fake process group,
-    for the kind of device this run trains on (train.device=auto on a machine without a GPU: the CPU's numerics);
-    every rank gets the same answer. Its plan."""
+    for the kind of device this run trains on (train.device=auto on a machine without a GPU: the CPU's numerics).
+    Several ranks: rank 0 plans, in a fresh interpreter (beside the joined process group the planner's fake one
+    cannot be made), and every rank takes its answer, or its error. Its plan."""
     from membudget.plan import choose_setting, choose_setting_apart
 
-    # a later job of a multirun in this launch has joined its process group, beside which the planner's own
-    # (fake) one cannot be made: it plans in a fresh interpreter
-    choose = choose_setting_apart if dist.is_initialized() else choose_setting
-    choice, plan = choose(cfg, launch.world_size, device)
     key = auto_key(cfg.ac.mode)
+    if dist.is_initialized():
+        outcome = None
+        if launch.rank == 0:
+            try:
+                outcome = ("ok", choose_setting_apart(cfg, launch.world_size, device))
+            except UserError as e:
+                outcome = ("error", str(e))
+            except Exception as e:  # a bug: the other ranks stop with a line, not at the end of their wait
+                broadcast_object(("error", f"ac.{key}=auto: rank 0's planning failed ({type(e).__name__}: {e}); "
+                                           "plan the run with python -m membudget.plan"), CPU, timeout_s=PLAN_WAIT_S)
+                raise
+        outcome = broadcast_object(outcome, CPU, timeout_s=PLAN_WAIT_S)
+        if outcome[0] == "error":
+            raise UserError(outcome[1])
+        choice, plan = outcome[1]
+    else:
+        choice, plan = choose_setting(cfg, launch.world_size, device)
     setattr(cfg.ac, key, choice)
-    log.info("ac.%s=auto -> %s: %s", key, choice, plan.summary_line())
+    log.info("ac.%s=auto -> %s: %s%s", key, choice, plan.summary_line(),
+             "" if launch.rank == 0 else " (rank 0's plan)")
     return plan
 
 

@@ -3,11 +3,13 @@ every AC mode and matches the single-process loss curve of the same global batch
 holds; only rank 0 writes artefacts and speaks on the console."""
 
 import json
+import logging
 import time
 from pathlib import Path
 
 import pytest
 
+from membudget.errors import UserError
 from tests.conftest import FAST_COMPILE, compose_cfg, read_metrics, read_summary, run_ranks, train_here, train_py_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -125,10 +127,21 @@ def test_a_hung_rank_fails_its_launch_with_its_stacks(tmp_path):
     assert "Timeout (0:00:05)!" in ranks.log and "in hang_in_a_collective" in ranks.log, ranks.log[-3000:]
 
 
-def plan_then_train(base: str, *overrides: str) -> None:
-    """Two jobs of one launch, as a multirun under torchrun runs them: FSDP after the planner's fake process group
-    (where ac.memory_budget=auto plans before its rank joins), then TP set to ac.memory_budget=auto, planned after
-    the first job joined the real group."""
+class _Said(logging.Handler):
+    """The membudget logger's lines, INFO and above, while attached."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def plan_then_train(base: str, *overrides: str) -> list[str]:
+    """Two jobs of one launch, as a multirun under torchrun runs them: FSDP after the planner's fake process group,
+    then TP set to ac.memory_budget=auto, planned after the first job joined the real group. What this rank said
+    of the auto choice."""
     from membudget.plan import Planner
     from membudget.trainer import train
 
@@ -136,9 +149,25 @@ def plan_then_train(base: str, *overrides: str) -> None:
     with Planner(fsdp, world_size=2) as planner:
         planner.plan(planner.point("none"), "none")
     train(fsdp, Path(base) / "fsdp")
-    # two budgets to choose among: the point is where auto plans, not what it chooses (the sweep: test_plan_cli)
-    train(compose_cfg(*sized(4), *overrides, "parallelism=tp", "ac=memory_budget", "ac.memory_budget=auto",
-                      "plan.budgets=[0.5,1.0]"), Path(base) / "tp")
+    said, logger = _Said(), logging.getLogger("membudget")
+    level = logger.level
+    logger.addHandler(said)
+    logger.setLevel(logging.INFO)
+    try:
+        # two budgets to choose among: the point is where auto plans, not what it chooses (the sweep: test_plan_cli)
+        train(compose_cfg(*sized(4), *overrides, "parallelism=tp", "ac=memory_budget", "ac.memory_budget=auto",
+                          "plan.budgets=[0.5,1.0]"), Path(base) / "tp")
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
+    # and one that nothing fits: rank 0's line on every rank
+    refused = None
+    try:
+        train(compose_cfg(*sized(4), *overrides, "parallelism=tp", "ac=memory_budget", "ac.memory_budget=auto",
+                          "plan.budgets=[0.0]", "ac.target_memory_gib=0.0001"), Path(base) / "none_fits")
+    except UserError as e:
+        refused = str(e)
+    return [line for line in said.lines if "ac.memory_budget=auto -> " in line] + [refused]
 
 
 @pytest.mark.slow
@@ -148,7 +177,8 @@ def test_ranks_that_planned_train_their_own_shards_and_a_later_auto_job_plans(tm
     world (every rank plans as rank 0) had filled them, rank 1 of a real mesh of that shape took rank 0's shards
     (its initial weights, its checkpoint's offsets: no checkpoint could be written, and TP's second loss read 12.56
     for 6.29). And an auto job after another job of the launch failed: the planner's fake group cannot be made
-    beside the joined one. Each job now gives one process's losses and a checkpoint of its last step."""
+    beside the joined one. Each job now gives one process's losses and a checkpoint of its last step, and rank 0
+    alone plans the auto job: rank 1 takes its answer (each had planned the same sweep)."""
     overrides = ["checkpoint.enabled=true", "checkpoint.every_steps=3", "train.micro_batch_size=1"]
     ranks = run_ranks(2, plan_then_train, str(tmp_path), *overrides, cwd=tmp_path)
     assert ranks.returncode == 0, ranks.log[-4000:]
@@ -158,3 +188,9 @@ def test_ranks_that_planned_train_their_own_shards_and_a_later_auto_job_plans(tm
         assert (tmp_path / layout / "checkpoints" / "step_0000003").is_dir(), layout
     chosen = json.loads((tmp_path / "tp" / "plan.json").read_text())["memory_budget"]
     assert chosen in (0.5, 1.0) and chosen == read_summary(tmp_path / "tp")["memory_budget"]
+    # one plan for the launch: rank 0's, which rank 1 took instead of planning its own
+    (said, refused), (taken, refused_too) = ranks.returns[0], ranks.returns[1]
+    assert said.startswith(f"ac.memory_budget=auto -> {chosen}: ") and taken == f"{said} (rank 0's plan)"
+    # a job that nothing fits: the same one line on both ranks, and nothing written
+    assert refused == refused_too and "no budget fits" in refused and "\n" not in refused
+    assert not (tmp_path / "none_fits").exists()

@@ -114,8 +114,9 @@ def choose_setting(cfg, world_size: Optional[int] = None, device: Optional[str] 
 
 def choose_setting_apart(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> tuple[object, Plan]:
     """choose_setting in a fresh interpreter (its torch import: about 3 s), for a process that has joined a real
-    process group, beside which the planner's fake one cannot be made (a later job of a multirun under torchrun).
-    Its warnings reach this process's stderr; its UserError is raised here."""
+    process group, beside which the planner's fake one cannot be made (rank 0 of a run over several ranks, which
+    plans for all of them: trainer._choose_setting). Its warnings reach this process's stderr; its UserError is
+    raised here."""
     child = subprocess.run([sys.executable, "-c", "from membudget.plan.sweep import _choose_for_parent; "
                             "_choose_for_parent()"], input=pickle.dumps((cfg, world_size, device)),
                            stdout=subprocess.PIPE)
