@@ -27,10 +27,5 @@ def fmt_bytes(n: Optional[float]) -> str:
     return f"{n:.0f} B"
 
 
-def gib(n: Optional[float]) -> str:
-    """Bytes as a number of GiB with two decimals, for a column headed GiB ("-" for None)."""
-    return "-" if n is None else f"{n / GiB:.2f}"
-
-
 def fmt_time(s: float) -> str:
     return f"{_sig3(s)} s" if s >= 1 else f"{_sig3(s * 1e3)} ms"

@@ -8,7 +8,7 @@ import pytest
 from membudget.errors import UserError
 from membudget.plan import choose, choose_or_explain, plan_setting
 from membudget.rules import validate
-from membudget.units import GiB
+from membudget.units import GiB, MiB
 from tests.conftest import FAST_COMPILE, compose_cfg, hydra_main_here
 from tests.test_plan_model import plan
 
@@ -130,9 +130,21 @@ def test_when_no_budget_fits_the_line_names_the_lowest_budget_and_what_else_woul
     with pytest.raises(UserError) as info:
         choose_or_explain([full, *budgets], compose_cfg("plan.budgets=[0.3,0.5]"), None)
     message = str(info.value)
-    assert "no budget fits" in message and "75.00 GiB" in message, message
-    assert "lowest planned reserved peak 79.00 GiB, memory_budget 0.3: does not fit" in message, message
-    assert "ac=full plans 50.00 GiB (fits)" in message, message
+    assert "no budget fits 75.0 GiB per rank" in message, message
+    assert "lowest planned reserved peak 79.0 GiB, memory_budget 0.3: does not fit" in message, message
+    assert "ac=full plans 50.0 GiB (fits)" in message, message
+
+
+def test_a_small_target_that_nothing_fits_reads_in_its_own_unit():
+    """A CPU run's target of a few MiB: the line said "no budget fits 0.00 GiB per rank ... peak 0.01 GiB"."""
+    budgets = [plan(f"memory_budget {b}", b, reserved=int((8 + b) * MiB), verdict="does not fit", limit=4 * MiB)
+               for b in (0.3, 0.5)]
+    full = plan("full", None, reserved=6 * MiB, verdict="does not fit", limit=4 * MiB)
+    with pytest.raises(UserError) as info:
+        choose_or_explain([full, *budgets], compose_cfg("plan.budgets=[0.3,0.5]"), None)
+    message = str(info.value)
+    assert "no budget fits 4.00 MiB per rank" in message and "peak 8.30 MiB, memory_budget 0.3" in message, message
+    assert "ac=full plans 6.00 MiB (does not fit)" in message, message
 
 
 def test_budget_auto_and_sweep_in_config():

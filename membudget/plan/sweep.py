@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 
 from membudget.errors import UserError
 from membudget.schema import Reshard, ac_label, auto_key, budget_list, is_auto
-from membudget.units import gib
+from membudget.units import fmt_bytes
 
 from .blocks import best_single, choose_mix, single_budgets
 from .planner import Planner
@@ -165,8 +165,8 @@ def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int], device:
     grid = sorted(cfg.plan.budgets)
     lower = "" if grid[0] == 0.0 else f"let auto try budget 0.0 (plan.budgets={budget_list([0.0, *grid])}), "
     raise UserError(
-        f"{key}=auto: no {'setting' if key == 'ac.blocks' else 'budget'} fits {gib(lowest.limit)} GiB per rank on "
+        f"{key}=auto: no {'setting' if key == 'ac.blocks' else 'budget'} fits {fmt_bytes(lowest.limit)} per rank on "
         f"{lowest.device.name} "
-        f"(lowest planned reserved peak {gib(lowest.reserved_peak)} GiB, {lowest.label}: {lowest.verdict}); "
-        f"ac=full plans {gib(full.reserved_peak)} GiB ({full.verdict}); or {lower}lower train.micro_batch_size / "
+        f"(lowest planned reserved peak {fmt_bytes(lowest.reserved_peak)}, {lowest.label}: {lowest.verdict}); "
+        f"ac=full plans {fmt_bytes(full.reserved_peak)} ({full.verdict}); or {lower}lower train.micro_batch_size / "
         f"train.seq_len, or shard over more ranks (parallelism=fsdp with a larger plan.world_size)")
