@@ -139,9 +139,9 @@ class _Said(logging.Handler):
 
 
 def plan_then_train(base: str, *overrides: str) -> list[str]:
-    """Two jobs of one launch, as a multirun under torchrun runs them: FSDP after the planner's fake process group,
-    then TP set to ac.memory_budget=auto, planned after the first job joined the real group. What this rank said
-    of the auto choice."""
+    """Three jobs of one launch, as a multirun under torchrun runs them: FSDP after the planner's fake process
+    group, TP set to ac.memory_budget=auto, planned after the first job joined the real group, and an auto job that
+    nothing fits. What this rank said of the auto choice, and the line the last job stopped with."""
     from membudget.plan import Planner
     from membudget.trainer import train
 
