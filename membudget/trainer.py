@@ -397,7 +397,6 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
 # How long the other ranks wait for rank 0's auto plan, past the process group's timeout: the 8B grid took 2
 # minutes on this project's 2-core test machine (README, "Planning memory and speed"); any grid is well within it
 PLAN_WAIT_S = 3 * 3600
-CPU = torch.device("cpu")
 
 
 def _choose_setting(cfg, launch: Launch, device: str):
@@ -409,17 +408,18 @@ def _choose_setting(cfg, launch: Launch, device: str):
 
     key = auto_key(cfg.ac.mode)
     if dist.is_initialized():
-        outcome = None
+        outcome, failure = None, None
         if launch.rank == 0:
             try:
                 outcome = ("ok", choose_setting_apart(cfg, launch.world_size, device))
             except UserError as e:
                 outcome = ("error", str(e))
             except Exception as e:  # a bug: the other ranks stop with a line, not at the end of their wait
-                broadcast_object(("error", f"ac.{key}=auto: rank 0's planning failed ({type(e).__name__}: {e}); "
-                                           "plan the run with python -m membudget.plan"), CPU, timeout_s=PLAN_WAIT_S)
-                raise
-        outcome = broadcast_object(outcome, CPU, timeout_s=PLAN_WAIT_S)
+                outcome, failure = ("error", f"ac.{key}=auto: rank 0's planning failed ({type(e).__name__}: {e}); "
+                                             "plan the run with python -m membudget.plan"), e
+        outcome = broadcast_object(outcome, torch.device("cpu"), timeout_s=PLAN_WAIT_S)
+        if failure is not None:
+            raise failure
         if outcome[0] == "error":
             raise UserError(outcome[1])
         choice, plan = outcome[1]
