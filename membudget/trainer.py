@@ -56,8 +56,8 @@ from membudget.offload import find_offloader
 from membudget.parallel import all_reduce, broadcast_object, build_mesh, clip_grad_norm, dp_coordinates, gradient_sync
 from membudget.rules import compile_enabled, validate
 from membudget.rundir import RunDirLock, start_fresh
-from membudget.schema import (ACMode, NonFinite, ac_label, auto_key, block_policies, budget_of, compact_policies,
-                              is_auto, resolved)
+from membudget.schema import (ACMode, NonFinite, ac_label, auto_key, block_policies, budget_list, budget_of,
+                              compact_policies, is_auto, resolved)
 from membudget.step import Numerics, StepShape, build_model, build_optimizer, forward_backward
 from membudget.units import GiB, MiB
 
@@ -144,6 +144,7 @@ class StopSignals:
     - SIGUSR2, SLURM's warning before the time limit (the launcher presets ask for it; submitit also uses it
       for preemption): checkpoint, then submitit's own handler requeues the job (status "preempted");
     - SIGTERM and SIGINT (Ctrl-C): checkpoint and end with status "interrupted"; a second Ctrl-C stops at once.
+    One received during set-up ends the run before its first step, with nothing to save (stop_before_training).
     """
 
     SIGNALS = {signal.SIGUSR2: "preempted", signal.SIGTERM: "interrupted", signal.SIGINT: "interrupted"}
@@ -162,7 +163,7 @@ class StopSignals:
         # several ranks: said at the step boundary, once every rank agreed to stop (torchrun's SIGTERM after
         # another rank failed is followed by no agreement and no checkpoint, only the line naming that rank)
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            log.warning("received %s: stopping at the end of this step", signal.Signals(signum).name)
+            log.warning("received %s: stopping at the next step boundary", signal.Signals(signum).name)
         self.received = signum
         self.why = gone
 
@@ -320,7 +321,7 @@ def _apply_optimizer_settings(cfg, optimizer, scheduler) -> None:
         group["lr"] = o.lr * lr_lambda(scheduler.last_epoch)
 
 
-def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.ExitStack) -> Run:
+def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.ExitStack, stop: StopSignals) -> Run:
     """Build the run; every check that can fail is done before anything is written into the run dir."""
     launch = launch_from_env()
     warn_if_unused_allocation()
@@ -332,7 +333,7 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     init_distributed(launch, device, cfg.parallelism.timeout_s)  # once per process: a multirun's jobs share it
     quiet_console(launch.is_main)
     if is_auto(cfg.ac):
-        chosen = _choose_setting(cfg, launch, device.type)
+        chosen = _choose_setting(cfg, launch, device.type, stop)
         validate(cfg, launch.world_size)  # the choice too: e.g. full blocks compiled under TP
     else:
         chosen = None
@@ -399,29 +400,41 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
 PLAN_WAIT_S = 3 * 3600
 
 
-def _choose_setting(cfg, launch: Launch, device: str):
+def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals):
     """ac.memory_budget=auto or ac.blocks=auto: planned on fake tensors over a fake process group,
     for the kind of device this run trains on (train.device=auto on a machine without a GPU: the CPU's numerics).
     Several ranks: rank 0 plans, in a fresh interpreter (beside the joined process group the planner's fake one
-    cannot be made), and every rank takes its answer, or its error. Its plan."""
+    cannot be made), and every rank takes its answer, or its error; a planner process that a stop signal ended
+    with rank 0 (torchrun's and SLURM's SIGTERM reach both) stops every rank. Its plan."""
     from membudget.plan import choose_setting, choose_setting_apart
 
     key = auto_key(cfg.ac.mode)
+    log.info("ac.%s=auto: planning %s on fake tensors for %s%s", key,
+             "a policy per block" if key == "blocks" else f"the budgets {budget_list(cfg.plan.budgets)}",
+             "cuda" if device == "cuda" else "this CPU",
+             "" if launch.rank == 0 else " (rank 0 plans; this rank waits for its answer)")
     if dist.is_initialized():
         outcome, failure = None, None
         if launch.rank == 0:
             try:
                 outcome = ("ok", choose_setting_apart(cfg, launch.world_size, device))
-            except UserError as e:
-                outcome = ("error", str(e))
-            except Exception as e:  # a bug: the other ranks stop with a line, not at the end of their wait
-                outcome, failure = ("error", f"ac.{key}=auto: rank 0's planning failed ({type(e).__name__}: {e}); "
-                                             "plan the run with python -m membudget.plan"), e
+            except Exception as e:
+                if stop.received:  # the signal that ended the planner's process too
+                    outcome = ("stopped", stop.received)
+                elif isinstance(e, UserError):
+                    outcome = ("error", str(e))
+                else:  # a bug: the other ranks stop with a line, not at the end of their wait
+                    outcome, failure = ("error", f"ac.{key}=auto: rank 0's planning failed ({type(e).__name__}: "
+                                                 f"{e}); plan the run with python -m membudget.plan"), e
         outcome = broadcast_object(outcome, torch.device("cpu"), timeout_s=PLAN_WAIT_S)
         if failure is not None:
             raise failure
         if outcome[0] == "error":
             raise UserError(outcome[1])
+        if outcome[0] == "stopped":
+            name = signal.Signals(outcome[1]).name
+            raise Stopped(StopSignals.SIGNALS.get(outcome[1], "interrupted"), name,
+                          f"stopped by {name} while rank 0 planned ac.{key}=auto, before anything was written")
         choice, plan = outcome[1]
     else:
         choice, plan = choose_setting(cfg, launch.world_size, device)
@@ -475,6 +488,46 @@ def _blocks(per_block: dict, model) -> list[int]:
     return [per_block.get(i, 0) for i in range(len(model.layers))]
 
 
+def _agree_to_stop(run: Run, stop: StopSignals, received: list[int], when: str) -> bool:
+    """Whether any rank received a stop signal (`received`: each rank's signal, 0 for none, reduced over the
+    ranks); the first agreement is kept in `stop` and, over several ranks, said once: which signal reached which
+    ranks, and that every rank stops `when`."""
+    if any(received) and stop.agreed is None:
+        stop.received_by = next(r for r, v in enumerate(received) if v)
+        stop.agreed = received[stop.received_by]
+        ranks = [r for r, v in enumerate(received) if v]
+        stop.reached = ("every rank" if len(ranks) == len(received)
+                        else ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks)))
+        if run.launch.world_size > 1:
+            log.warning("received %s on %s%s: every rank stops %s", signal.Signals(stop.agreed).name, stop.reached,
+                        f" ({stop.why})" if stop.why else "", when)
+    return any(received)
+
+
+def _stopped(run: Run, stop: StopSignals, what: str) -> Stopped:
+    """The Stopped that ends the run once the ranks agreed to stop: `what` happened (after step N, ...)."""
+    signum = stop.agreed or stop.received
+    name = signal.Signals(signum).name if signum else "a signal"
+    where = f" to {stop.reached}" if run.launch.world_size > 1 and stop.reached else ""
+    why = f" ({stop.why})" if stop.why else ""
+    return Stopped(StopSignals.SIGNALS.get(signum, stop.status), name, f"stopped by {name}{where}{why} {what}")
+
+
+def stop_before_training(run: Run, stop: StopSignals) -> None:
+    """A stop signal received while the run was set up (planning, building, resuming) ends it before its first
+    step, on every rank: nothing was trained since the start or its checkpoint, so there is nothing to save, and
+    no step (a first compiled one can take minutes) is run only to be stopped."""
+    signals = torch.zeros(run.launch.world_size, device=run.device)
+    signals[run.launch.rank] = float(stop.received or 0)
+    if dist.is_initialized():
+        _at("the all-reduce before the first step", None)
+        dist.all_reduce(signals, op=dist.ReduceOp.MAX)
+    first = run.start_step + 1
+    if _agree_to_stop(run, stop, [int(v) for v in signals.tolist()], f"before step {first}, with nothing to save"):
+        since = f"since the checkpoint of step {run.start_step}" if run.start_step else "yet"
+        raise _stopped(run, stop, f"before step {first}, during set-up: nothing trained {since}, nothing to save")
+
+
 def apply_step(run: Run, result: StepResult, stop: StopSignals, step: int) -> tuple[bool, Optional[str]]:
     """The optimizer step, unless the loss or the gradient norm is not finite: then the step is skipped (its
     gradients dropped, the schedule not advanced) and, unless train.on_nonfinite=skip allows another one, the
@@ -489,18 +542,9 @@ def apply_step(run: Run, result: StepResult, stop: StopSignals, step: int) -> tu
         _at(f"the all-reduce that ends step {step}", step)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     values = flags.tolist()
-    nonfinite, received = values[0] > 0, [int(v) for v in values[1:]]
-    stop_now = any(received)
-    if stop_now and stop.agreed is None:
-        stop.received_by = next(r for r, v in enumerate(received) if v)
-        stop.agreed = received[stop.received_by]
-        ranks = [r for r, v in enumerate(received) if v]
-        stop.reached = ("every rank" if len(ranks) == len(received)
-                        else ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks)))
-        if run.launch.world_size > 1:
-            log.warning("received %s on %s%s: every rank stops after step %d%s", signal.Signals(stop.agreed).name,
-                        stop.reached, f" ({stop.why})" if stop.why else "", step,
-                        ", with a checkpoint" if run.cfg.checkpoint.enabled else "")
+    nonfinite = values[0] > 0
+    stop_now = _agree_to_stop(run, stop, [int(v) for v in values[1:]], f"after step {step}" + (
+        ", with a checkpoint" if run.cfg.checkpoint.enabled else ""))
     if not nonfinite:
         run.skipped_in_a_row = 0
         run.optimizer.step()
@@ -584,6 +628,7 @@ def _sync(device: torch.device) -> None:
 def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnostics,
          collect: Callable[[int, bool], None]) -> None:
     t = run.cfg.train
+    stop_before_training(run, stop)
     interval_start, interval_steps = time.perf_counter(), 0
     for step in range(run.start_step + 1, t.steps + 1):
         first = step == run.start_step + 1
@@ -615,12 +660,7 @@ def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnosti
         collect(step, first)
         if stop_now:
             saved = "checkpoint saved" if run.cfg.checkpoint.enabled else "checkpointing is off"
-            signum = stop.agreed or stop.received
-            name = signal.Signals(signum).name if signum else "a signal"
-            where = f" to {stop.reached}" if run.launch.world_size > 1 and stop.reached else ""
-            why = f" ({stop.why})" if stop.why else ""
-            status = StopSignals.SIGNALS.get(signum, stop.status)
-            raise Stopped(status, name, f"stopped by {name}{where}{why} after step {step}, {saved}")
+            raise _stopped(run, stop, f"after step {step}, {saved}")
 
 
 def summarize(run: Run) -> dict[str, Any]:
@@ -687,7 +727,7 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
         with contextlib.ExitStack() as stack:
             try:
                 _at("setup (joining, checking the config, resuming)", None)
-                run = setup(cfg, Path(run_dir), wandb_group, stack)
+                run = setup(cfg, Path(run_dir), wandb_group, stack, stop)
                 log.info("model %s: %s parameters (%.1f MiB on this rank), %s, parallelism=%s on %s, rank %d/%d "
                          "pid %d", cfg.model.name, f"{num_params(run.model):,}",
                          sum(local_tensor(p).nbytes for p in run.model.parameters()) / MiB, run.label,
@@ -707,8 +747,8 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
                 log.info("done: %s; final loss %s, median %.0f tok/s (compilation excluded), activations %.1f MiB, "
                          "peak memory %.2f GiB", run.label, summary["final_loss"], summary["median_tokens_per_s"] or 0,
                          (summary["activation_bytes"] or 0) / MiB, (summary["peak_memory_bytes"] or 0) / GiB)
-            except Stopped as e:
-                summary, stopped = {**summarize(run), "status": e.status, "stopped": str(e)}, e
+            except Stopped as e:  # at a step boundary, or while rank 0 planned (no run yet, nothing written)
+                summary, stopped = {**(summarize(run) if run else {}), "status": e.status, "stopped": str(e)}, e
             except BaseException as e:
                 line = _peer_lost_line(cfg, Path(run_dir), run, e) if _is_peer_failure(e) else None
                 if line is not None:  # a peer died or stalled in a collective: one line, no traceback

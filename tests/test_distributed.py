@@ -4,13 +4,17 @@ holds; only rank 0 writes artefacts and speaks on the console."""
 
 import json
 import logging
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from membudget.errors import UserError
-from tests.conftest import FAST_COMPILE, compose_cfg, read_metrics, read_summary, run_ranks, train_here, train_py_ranks
+from membudget.errors import Stopped, UserError
+from tests.conftest import (FAST_COMPILE, compose_cfg, read_metrics, read_summary, run_ranks, train_here,
+                            train_py_ranks, wait_until)
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -167,7 +171,40 @@ def plan_then_train(base: str, *overrides: str) -> list[str]:
                           "plan.budgets=[0.0]", "ac.target_memory_gib=0.0001"), Path(base) / "none_fits")
     except UserError as e:
         refused = str(e)
-    return [line for line in said.lines if "ac.memory_budget=auto -> " in line] + [refused]
+    # and one whose planning SIGTERM ends, as torchrun's and SLURM's reach rank 0 and its planner process
+    stopped = None
+    terminate = _TerminatePlanning()
+    logger.addHandler(terminate)
+    logger.setLevel(logging.INFO)
+    try:
+        train(compose_cfg(*sized(4), *overrides, "parallelism=tp", "ac=memory_budget", "ac.memory_budget=auto",
+                          "plan.budgets=[0.5]"), Path(base) / "stopped")
+    except Stopped as e:
+        stopped = f"{e.status}: {e}"
+    finally:
+        logger.removeHandler(terminate)
+        logger.setLevel(level)
+    return [line for line in said.lines if "ac.memory_budget=auto -> " in line] + [refused, stopped]
+
+
+class _TerminatePlanning(logging.Handler):
+    """On rank 0, when auto starts to plan: SIGTERM to this process and to the planner's, once it runs."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        import psutil
+        import torch.distributed as dist
+
+        if not (record.getMessage().startswith("ac.memory_budget=auto: planning") and dist.get_rank() == 0):
+            return
+
+        def terminate():
+            me = psutil.Process()
+            wait_until(lambda: me.children(), what="rank 0's planner process")
+            os.kill(me.pid, signal.SIGTERM)
+            for child in me.children():
+                child.send_signal(signal.SIGTERM)
+
+        threading.Thread(target=terminate, daemon=True).start()
 
 
 @pytest.mark.slow
@@ -189,8 +226,12 @@ def test_ranks_that_planned_train_their_own_shards_and_a_later_auto_job_plans(tm
     chosen = json.loads((tmp_path / "tp" / "plan.json").read_text())["memory_budget"]
     assert chosen in (0.5, 1.0) and chosen == read_summary(tmp_path / "tp")["memory_budget"]
     # one plan for the launch: rank 0's, which rank 1 took instead of planning its own
-    (said, refused), (taken, refused_too) = ranks.returns[0], ranks.returns[1]
+    (said, refused, stopped), (taken, refused_too, stopped_too) = ranks.returns[0], ranks.returns[1]
     assert said.startswith(f"ac.memory_budget=auto -> {chosen}: ") and taken == f"{said} (rank 0's plan)"
     # a job that nothing fits: the same one line on both ranks, and nothing written
     assert refused == refused_too and "no budget fits" in refused and "\n" not in refused
     assert not (tmp_path / "none_fits").exists()
+    # SIGTERM while rank 0 planned (its planner process ended with it): every rank stops, nothing written
+    assert stopped == stopped_too == ("interrupted: stopped by SIGTERM while rank 0 planned ac.memory_budget=auto, "
+                                      "before anything was written"), (stopped, stopped_too)
+    assert not (tmp_path / "stopped").exists() and "Traceback" not in ranks.outputs[0][1]

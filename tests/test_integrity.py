@@ -4,7 +4,9 @@ SIGTERM and Ctrl-C, a full disk, and a SIGKILL at a random step."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import random
 import re
@@ -17,10 +19,10 @@ from pathlib import Path
 import pytest
 
 import membudget.trainer as trainer
-from membudget.errors import UserError
+from membudget.errors import Stopped, UserError
 from membudget.internals import tree_leaves
 from membudget.rundir import ARCHIVE
-from tests.conftest import (ROOT, TINY, read_metrics, read_summary, small_tmpfs, subprocess_env,
+from tests.conftest import (FAST_COMPILE, ROOT, TINY, read_metrics, read_summary, small_tmpfs, subprocess_env,
                             train_here, train_py_here)
 from tests.wandb_offline import find_offline_runs, read_offline_run
 
@@ -364,3 +366,70 @@ def test_a_full_disk_is_one_line_and_leaves_valid_files(small_disk):
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
     done = train_here(run_dir, *RUN, "train.steps=4", "checkpoint.archive_old_run=true")
     assert done["status"] == "completed" and [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+
+
+class _SignalAt(logging.Handler):
+    """Sends this process `signum` when the membudget logger says a line starting with `prefix`: a signal that
+    arrives at a known point of the run's set-up (the trainer's handler runs it in this, the main, thread)."""
+
+    def __init__(self, prefix: str, signum: int = signal.SIGTERM):
+        super().__init__(logging.INFO)
+        self.prefix, self.signum, self.sent = prefix, signum, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith(self.prefix):
+            self.sent += 1
+            signal.raise_signal(self.signum)
+
+
+@contextlib.contextmanager
+def _signal_at(prefix: str):
+    handler = _SignalAt(prefix)
+    logger = logging.getLogger("membudget")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@pytest.mark.slow
+def test_a_stop_during_set_up_ends_the_run_before_its_first_step(tmp_path):
+    """SIGTERM while auto plans: the plan is finished and written, then the run ends before step 1, with no step
+    trained, no checkpoint and an `interrupted` summary; the next run in the dir starts fresh (the unfinished run
+    archived) and completes. SIGTERM while a later launch resumes: it ends before its first step, its checkpoint
+    and rows as they were, and the same command resumes from them."""
+    run_dir = tmp_path / "run"
+    auto = (*TINY, FAST_COMPILE, "ac=memory_budget", "ac.memory_budget=auto", "ac.target_memory_gib=1",
+            "plan.budgets=[0.5]")
+    with _signal_at("ac.memory_budget=auto: planning") as signalled, pytest.raises(Stopped) as stopped:
+        train_here(run_dir, *auto)
+    assert signalled.sent == 1 and stopped.value.status == "interrupted"
+    assert str(stopped.value) == ("stopped by SIGTERM before step 1, during set-up: nothing trained yet, nothing "
+                                  "to save")
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted" and summary["final_loss"] is None
+    assert read_metrics(run_dir) == [] and not list(run_dir.glob("checkpoints/step_*"))
+    assert json.loads((run_dir / "plan.json").read_text())["memory_budget"] == 0.5  # planned to the end
+
+    eager = (*TINY, "checkpoint.every_steps=1", "train.steps=2")
+    assert train_here(run_dir, *eager)["status"] == "completed"
+    (archived,) = (run_dir / ARCHIVE).iterdir()
+    assert json.loads((archived / "summary.json").read_text())["status"] == "interrupted"
+    rows = read_metrics(run_dir)
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert [r["step"] for r in rows] == [1, 2] and checkpoints[-1] == "step_0000002"
+
+    more = (*eager, "train.steps=4")
+    with _signal_at("resumed from") as signalled, pytest.raises(Stopped) as stopped:
+        train_here(run_dir, *more)
+    assert signalled.sent == 1
+    assert str(stopped.value) == ("stopped by SIGTERM before step 3, during set-up: nothing trained since the "
+                                  "checkpoint of step 2, nothing to save")
+    assert read_metrics(run_dir) == rows and read_summary(run_dir)["status"] == "interrupted"
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == checkpoints
+    assert train_here(run_dir, *more)["status"] == "completed"
+    assert read_metrics(run_dir)[:2] == rows and [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]

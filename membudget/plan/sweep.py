@@ -7,6 +7,7 @@ import contextlib
 import copy
 import os
 import pickle
+import signal
 import subprocess
 import sys
 from typing import Iterator, Optional
@@ -117,16 +118,26 @@ def choose_setting_apart(cfg, world_size: Optional[int] = None, device: Optional
     process group, beside which the planner's fake one cannot be made (rank 0 of a run over several ranks, which
     plans for all of them: trainer._choose_setting). Its warnings reach this process's stderr; its UserError is
     raised here."""
-    child = subprocess.run([sys.executable, "-c", "from membudget.plan.sweep import _choose_for_parent; "
-                            "_choose_for_parent()"], input=pickle.dumps((cfg, world_size, device)),
-                           stdout=subprocess.PIPE)
+    # Ctrl-C ends the child as SIGTERM does, without a KeyboardInterrupt traceback: its parent says what stopped
+    child = subprocess.run([sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                            "from membudget.plan.sweep import _choose_for_parent; _choose_for_parent()"],
+                           input=pickle.dumps((cfg, world_size, device)), stdout=subprocess.PIPE)
     if child.returncode != 0:
-        raise UserError(f"ac.{auto_key(cfg.ac.mode)}=auto: the planner's process failed (exit status "
-                        f"{child.returncode}, its error above); plan the run with python -m membudget.plan")
+        how = (f"was ended by {_signal_name(-child.returncode)}" if child.returncode < 0
+               else f"failed (exit status {child.returncode}, its error above)")
+        raise UserError(f"ac.{auto_key(cfg.ac.mode)}=auto: the planner's process {how}; plan the run with "
+                        "python -m membudget.plan")
     outcome, value = pickle.loads(child.stdout)
     if outcome == "error":
         raise UserError(value)
     return value
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _choose_for_parent() -> None:
