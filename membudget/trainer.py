@@ -628,7 +628,8 @@ def _sync(device: torch.device) -> None:
 def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnostics,
          collect: Callable[[int, bool], None]) -> None:
     t = run.cfg.train
-    stop_before_training(run, stop)
+    if run.start_step < t.steps:
+        stop_before_training(run, stop)
     interval_start, interval_steps = time.perf_counter(), 0
     for step in range(run.start_step + 1, t.steps + 1):
         first = step == run.start_step + 1
