@@ -118,6 +118,7 @@ def check_known_keys(cfg: Any) -> None:
 
 def check_ac(cfg: Any) -> None:
     ac = cfg.ac
+    check_target(ac)
     if ac.mode == ACMode.selective:
         opt = str(ac.selective_option)
         if opt != "op" and not (opt.isdigit() and int(opt) > 0):
@@ -165,8 +166,9 @@ def is_budget(value: float) -> bool:
     return 0.0 <= value <= 1.0
 
 
-def check_auto_target(ac: Any) -> None:
-    """ac.target_memory_gib, the memory an auto setting must fit: unset (the device's) or a positive number."""
+def check_target(ac: Any) -> None:
+    """ac.target_memory_gib, the memory an auto setting (or a search's trial) must fit: unset (the device's) or a
+    positive number, whatever the mode: a run not set to auto may be a search's trial."""
     if ac.target_memory_gib is not None and not 0 < ac.target_memory_gib < math.inf:
         fail("ac.target_memory_gib", ac.target_memory_gib, "set a positive number of GiB per rank")
 
@@ -175,7 +177,6 @@ def check_block_policies(cfg: Any) -> None:
     """ac.blocks: one known policy per block, budgets in [0, 1], or auto."""
     ac, n = cfg.ac, cfg.model.n_layers
     if is_auto(ac):
-        check_auto_target(ac)
         return
     try:
         policies = parse_block_policies(ac.blocks)
@@ -201,7 +202,6 @@ def check_budget(cfg: Any, planning: bool = False) -> None:
                  "ac=memory_budget ac.memory_budget=sweep; train with a number or auto")
         return
     if budget == "auto":
-        check_auto_target(ac)
         return
     if isinstance(budget, str):
         try:
@@ -337,11 +337,21 @@ def check_data(cfg: Any) -> None:
 
 
 def check_plan(cfg: Any) -> None:
-    """plan.budgets: the budgets a sweep plans and auto chooses among, at least one, each in [0, 1], each once."""
-    budgets = list(cfg.plan.budgets)
+    """plan.budgets: the budgets a sweep plans and auto chooses among, at least one, each in [0, 1], each once;
+    the ranks and the device memory planned for, if set, positive; the margin kept free, none or more (a negative
+    one would call a plan above the device's memory "fits")."""
+    p = cfg.plan
+    budgets = list(p.budgets)
     if not budgets or not all(map(is_budget, budgets)) or len(set(budgets)) < len(budgets):
         raise UserError(f"plan.budgets={budget_list(budgets)}: give distinct numbers in [0, 1], "
                         "e.g. plan.budgets=[0.3,0.5,0.7]")
+    if p.world_size is not None and p.world_size < 1:
+        fail("plan.world_size", p.world_size, "set a positive number of ranks, or null (the product of the "
+             "parallelism degrees)")
+    if p.device_gib is not None and not 0 < p.device_gib < math.inf:
+        fail("plan.device_gib", p.device_gib, "set a positive number of GiB per rank, or null (plan.gpu's memory)")
+    if not 0 <= p.margin_gib < math.inf:
+        fail("plan.margin_gib", p.margin_gib, "set the GiB kept free per rank, 0 or more (4 by default)")
 
 
 SECTIONS = (check_ac, check_model, check_optimizer, check_checkpoint, check_data, check_plan)
