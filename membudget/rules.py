@@ -354,7 +354,16 @@ def check_plan(cfg: Any) -> None:
         fail("plan.margin_gib", p.margin_gib, "set the GiB kept free per rank, 0 or more (4 by default)")
 
 
-SECTIONS = (check_ac, check_model, check_optimizer, check_checkpoint, check_data, check_plan)
+def check_diagnostics(cfg: Any) -> None:
+    """The debug presets' step counts: the steps recorded at least 1, those waited and warmed up 0 or more (what
+    torch.profiler's schedule accepts; checked here, not when the profiler starts after the model is built)."""
+    d = cfg.diagnostics
+    for key, least in (("snapshot_steps", 1), ("profile_active", 1), ("profile_wait", 0), ("profile_warmup", 0)):
+        if getattr(d, key) < least:
+            fail(f"diagnostics.{key}", getattr(d, key), f"must be at least {least} steps")
+
+
+SECTIONS = (check_ac, check_model, check_optimizer, check_checkpoint, check_data, check_plan, check_diagnostics)
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
