@@ -351,7 +351,7 @@ def check_plan(cfg: Any) -> None:
     if p.device_gib is not None and not 0 < p.device_gib < math.inf:
         fail("plan.device_gib", p.device_gib, "set a positive number of GiB per rank, or null (plan.gpu's memory)")
     if not 0 <= p.margin_gib < math.inf:
-        fail("plan.margin_gib", p.margin_gib, "set the GiB kept free per rank, 0 or more (4 by default)")
+        fail("plan.margin_gib", p.margin_gib, "set the GiB kept free per rank, 0 or more")
 
 
 def check_diagnostics(cfg: Any) -> None:
