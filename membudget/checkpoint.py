@@ -150,6 +150,8 @@ def _manifest(path: Path) -> dict[str, tuple[int, int]]:
 def verify(path: Path, files: Optional[list[str]] = None) -> Optional[str]:
     """None when the checkpoint's files (all, or those named) match its manifest, else what is wrong."""
     path = Path(path)
+    if not path.is_dir():
+        return "no such directory"
     try:
         manifest = _manifest(path)
     except FileNotFoundError:

@@ -258,6 +258,9 @@ def test_a_path_that_is_not_a_checkpoint(tmp_path):
     (saved / "train_state.json").unlink()
     with pytest.raises(UserError, match=r"^checkpoint.resume=.*cannot resume from it \(train_state.json is missing"):
         Checkpointer(tmp_path, CheckpointConfig()).restore(*tiny_run(), path=saved)
+    # a path that is not there (a typo, checkpoint.resume='' read as the working dir's '.') says so
+    with pytest.raises(UserError, match=r"^checkpoint.resume='.*step_0000099': cannot resume from it \(no such dir"):
+        Checkpointer(tmp_path, CheckpointConfig()).restore(*tiny_run(), path=tmp_path / "step_0000099")
 
 
 def test_config_changes_are_classified():
