@@ -139,12 +139,18 @@ def _who_stopped(stopped: dict[int, Optional[str]]) -> str:
                         + _FATES[state][len(ranks) > 1] for state, ranks in by_fate.items())
 
 
+class _StopPlanning(BaseException):
+    """Raised by StopSignals while auto plans (StopSignals.at_once): a BaseException, so that it passes through
+    the compiler's own error handling (which wraps an Exception raised inside a compile)."""
+
+
 class StopSignals:
     """Signals noted at once and acted on at the next step boundary, where all ranks agree to stop:
     - SIGUSR2, SLURM's warning before the time limit (the launcher presets ask for it; submitit also uses it
       for preemption): checkpoint, then submitit's own handler requeues the job (status "preempted");
     - SIGTERM and SIGINT (Ctrl-C): checkpoint and end with status "interrupted"; a second Ctrl-C stops at once.
-    One received during set-up ends the run before its first step, with nothing to save (stop_before_training).
+    One received during set-up ends the run before its first step, with nothing to save (stop_before_training);
+    one received while this rank plans auto's setting ends the planning at once (`at_once`).
     """
 
     SIGNALS = {signal.SIGUSR2: "preempted", signal.SIGTERM: "interrupted", signal.SIGINT: "interrupted"}
@@ -163,9 +169,24 @@ class StopSignals:
         # several ranks: said at the step boundary, once every rank agreed to stop (torchrun's SIGTERM after
         # another rank failed is followed by no agreement and no checkpoint, only the line naming that rank)
         if not (dist.is_initialized() and dist.get_world_size() > 1):
-            log.warning("received %s: stopping at the next step boundary", signal.Signals(signum).name)
+            log.warning("received %s: %s", signal.Signals(signum).name,
+                        "stopping the planning" if self.planning else "stopping at the next step boundary")
         self.received = signum
         self.why = gone
+        if self.planning:
+            raise _StopPlanning
+
+    planning = False  # this rank is planning auto's setting: a signal ends it at once (nothing else to lose)
+
+    @contextlib.contextmanager
+    def at_once(self):
+        """While this rank plans: the first signal stops the planning where it is (the plan is all it would
+        finish, minutes for a large grid, past SLURM's 30 s between SIGTERM and SIGKILL)."""
+        self.planning = True
+        try:
+            yield
+        finally:
+            self.planning = False
 
     received_by: Optional[int] = None  # the lowest rank that received a signal, agreed at the step's sync
     reached: Optional[str] = None  # "rank 1", "ranks 0, 2", "every rank"
@@ -417,9 +438,12 @@ def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals):
         outcome, failure = None, None
         if launch.rank == 0:
             try:
-                outcome = ("ok", choose_setting_apart(cfg, launch.world_size, device))
+                with stop.at_once():  # its planner process is ended with it
+                    outcome = ("ok", choose_setting_apart(cfg, launch.world_size, device))
+            except _StopPlanning:
+                outcome = ("stopped", stop.received)
             except Exception as e:
-                if stop.received:  # the signal that ended the planner's process too
+                if stop.received:  # the signal (torchrun's, SLURM's) that ended the planner's process too
                     outcome = ("stopped", stop.received)
                 elif isinstance(e, UserError):
                     outcome = ("error", str(e))
@@ -432,16 +456,24 @@ def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals):
         if outcome[0] == "error":
             raise UserError(outcome[1])
         if outcome[0] == "stopped":
-            name = signal.Signals(outcome[1]).name
-            raise Stopped(StopSignals.SIGNALS.get(outcome[1], "interrupted"), name,
-                          f"stopped by {name} while rank 0 planned ac.{key}=auto, before anything was written")
+            raise _planning_stopped(outcome[1], f"while rank 0 planned ac.{key}=auto")
         choice, plan = outcome[1]
     else:
-        choice, plan = choose_setting(cfg, launch.world_size, device)
+        try:
+            with stop.at_once():
+                choice, plan = choose_setting(cfg, launch.world_size, device)
+        except _StopPlanning:
+            raise _planning_stopped(stop.received, f"while planning ac.{key}=auto") from None
     setattr(cfg.ac, key, choice)
     log.info("ac.%s=auto -> %s: %s%s", key, choice, plan.summary_line(),
              "" if launch.rank == 0 else " (rank 0's plan)")
     return plan
+
+
+def _planning_stopped(signum: int, when: str) -> Stopped:
+    name = signal.Signals(signum).name
+    return Stopped(StopSignals.SIGNALS.get(signum, "interrupted"), name,
+                   f"stopped by {name} {when}, before anything was written")
 
 
 def _write_plan(run_dir: Path, plan) -> None:

@@ -397,26 +397,44 @@ def _signal_at(prefix: str):
 
 
 @pytest.mark.slow
-def test_a_stop_during_set_up_ends_the_run_before_its_first_step(tmp_path):
-    """SIGTERM while auto plans: the plan is finished and written, then the run ends before step 1, with no step
-    trained, no checkpoint and an `interrupted` summary; the next run in the dir starts fresh (the unfinished run
-    archived) and completes. SIGTERM while a later launch resumes: it ends before its first step, its checkpoint
-    and rows as they were, and the same command resumes from them."""
+def test_a_stop_during_set_up_ends_the_run_before_its_first_step(tmp_path, monkeypatch):
+    """SIGTERM while auto plans: the planning ends at once, with nothing written. SIGTERM later in the set-up of
+    a fresh run: it ends before step 1, with no step trained, no checkpoint and an `interrupted` summary; the
+    same command then starts it again (the unfinished run archived) and completes. SIGTERM while a later launch
+    resumes: it ends before its first step, its checkpoint and rows as they were, and resumes from them."""
+    from membudget.plan.planner import Planner
+
+    plan, started = Planner.plan, []
+
+    def plan_then_signal(self, *args, **kwargs):  # the signal arrives while the second budget is planned
+        started.append(args[0].ac.memory_budget)
+        if len(started) == 2:
+            signal.raise_signal(signal.SIGTERM)
+        return plan(self, *args, **kwargs)
+
+    monkeypatch.setattr(Planner, "plan", plan_then_signal)
+    planned = tmp_path / "planned"
+    with pytest.raises(Stopped) as stopped:
+        train_here(planned, *TINY, FAST_COMPILE, "ac=memory_budget", "ac.memory_budget=auto",
+                   "ac.target_memory_gib=1", "plan.budgets=[0.0,0.5,1.0]")
+    assert started == [0.0, 0.5] and stopped.value.status == "interrupted"  # the third never started
+    assert str(stopped.value) == ("stopped by SIGTERM while planning ac.memory_budget=auto, before anything was "
+                                  "written")
+    assert not planned.exists()
+    monkeypatch.undo()
+
     run_dir = tmp_path / "run"
-    auto = (*TINY, FAST_COMPILE, "ac=memory_budget", "ac.memory_budget=auto", "ac.target_memory_gib=1",
-            "plan.budgets=[0.5]")
-    with _signal_at("ac.memory_budget=auto: planning") as signalled, pytest.raises(Stopped) as stopped:
-        train_here(run_dir, *auto)
-    assert signalled.sent == 1 and stopped.value.status == "interrupted"
+    eager = (*TINY, "checkpoint.every_steps=1", "train.steps=2")
+    with _signal_at("model llama3_debug: ") as signalled, pytest.raises(Stopped) as stopped:
+        train_here(run_dir, *eager)
+    assert signalled.sent == 1
     assert str(stopped.value) == ("stopped by SIGTERM before step 1, during set-up: nothing trained yet, nothing "
                                   "to save")
     summary = read_summary(run_dir)
     assert summary["status"] == "interrupted" and summary["final_loss"] is None
     assert read_metrics(run_dir) == [] and not list(run_dir.glob("checkpoints/step_*"))
-    assert json.loads((run_dir / "plan.json").read_text())["memory_budget"] == 0.5  # planned to the end
 
-    eager = (*TINY, "checkpoint.every_steps=1", "train.steps=2")
-    assert train_here(run_dir, *eager)["status"] == "completed"
+    assert train_here(run_dir, *eager)["status"] == "completed"  # the same command: a fresh start
     (archived,) = (run_dir / ARCHIVE).iterdir()
     assert json.loads((archived / "summary.json").read_text())["status"] == "interrupted"
     rows = read_metrics(run_dir)
