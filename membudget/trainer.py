@@ -470,10 +470,14 @@ def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals):
     return plan
 
 
+def _stopped_by(signum: Optional[int], how: str) -> Stopped:
+    """The Stopped that `signum` (None: not known) ends the run with: "stopped by SIGTERM<how>"."""
+    name = signal.Signals(signum).name if signum else "a signal"
+    return Stopped(StopSignals.SIGNALS.get(signum, "interrupted"), name, f"stopped by {name}{how}")
+
+
 def _planning_stopped(signum: int, when: str) -> Stopped:
-    name = signal.Signals(signum).name
-    return Stopped(StopSignals.SIGNALS.get(signum, "interrupted"), name,
-                   f"stopped by {name} {when}, before anything was written")
+    return _stopped_by(signum, f" {when}, before anything was written")
 
 
 def _write_plan(run_dir: Path, plan) -> None:
@@ -538,19 +542,24 @@ def _agree_to_stop(run: Run, stop: StopSignals, received: list[int], when: str) 
 
 def _stopped(run: Run, stop: StopSignals, what: str) -> Stopped:
     """The Stopped that ends the run once the ranks agreed to stop: `what` happened (after step N, ...)."""
-    signum = stop.agreed or stop.received
-    name = signal.Signals(signum).name if signum else "a signal"
     where = f" to {stop.reached}" if run.launch.world_size > 1 and stop.reached else ""
     why = f" ({stop.why})" if stop.why else ""
-    return Stopped(StopSignals.SIGNALS.get(signum, stop.status), name, f"stopped by {name}{where}{why} {what}")
+    return _stopped_by(stop.agreed or stop.received, f"{where}{why} {what}")
+
+
+def _signals(run: Run, stop: StopSignals) -> torch.Tensor:
+    """This rank's received signal (0: none) at its index, 0 elsewhere: a MAX all-reduce gives each rank's."""
+    signals = torch.zeros(run.launch.world_size, device=run.device)
+    signals[run.launch.rank] = float(stop.received or 0)
+    return signals
 
 
 def stop_before_training(run: Run, stop: StopSignals) -> None:
-    """A stop signal received while the run was set up (planning, building, resuming) ends it before its first
-    step, on every rank: nothing was trained since the start or its checkpoint, so there is nothing to save, and
-    no step (a first compiled one can take minutes) is run only to be stopped."""
-    signals = torch.zeros(run.launch.world_size, device=run.device)
-    signals[run.launch.rank] = float(stop.received or 0)
+    """A stop signal received while the run was set up (building, resuming; on a rank that waited for rank 0's
+    plan, planning too) ends it before its first step, on every rank: nothing was trained since the start or its
+    checkpoint, so there is nothing to save, and no step (a first compiled one can take minutes) is run only to
+    be stopped."""
+    signals = _signals(run, stop)
     if dist.is_initialized():
         _at("the all-reduce before the first step", None)
         dist.all_reduce(signals, op=dist.ReduceOp.MAX)
@@ -567,9 +576,7 @@ def apply_step(run: Run, result: StepResult, stop: StopSignals, step: int) -> tu
     stop. Returns (stop after this step, why the run diverged or None)."""
     bad = ~(torch.isfinite(result.loss) & torch.isfinite(result.grad_norm))
     # [not finite, the signal each rank received (0: none)]: every rank learns which signal reached which rank
-    signals = torch.zeros(run.launch.world_size, device=run.device)
-    signals[run.launch.rank] = float(stop.received or 0)
-    flags = torch.cat([bad.float().reshape(1), signals])
+    flags = torch.cat([bad.float().reshape(1), _signals(run, stop)])
     if dist.is_initialized():
         _at(f"the all-reduce that ends step {step}", step)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
