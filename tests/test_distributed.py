@@ -202,7 +202,10 @@ class _TerminatePlanning(logging.Handler):
             wait_until(lambda: me.children(), what="rank 0's planner process")
             os.kill(me.pid, signal.SIGTERM)
             for child in me.children():
-                child.send_signal(signal.SIGTERM)
+                try:  # rank 0's own handler may have ended it first: both orders are a real shutdown's
+                    child.send_signal(signal.SIGTERM)
+                except psutil.NoSuchProcess:
+                    pass
 
         threading.Thread(target=terminate, daemon=True).start()
 
