@@ -252,6 +252,15 @@ def _wait_for_rows(run_dir: Path, proc: subprocess.Popen, n: int, timeout: float
     raise AssertionError(f"no {n} metrics rows in {timeout} s (exit {proc.poll()})")
 
 
+def _wait_for_output(out: Path, proc: subprocess.Popen, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if text in out.read_text():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no {text!r} in {timeout} s (exit {proc.poll()}): {out.read_text()[-2000:]}")
+
+
 SLOW_RUN = ("logger=wandb", "train.steps=200", "train.seq_len=64", "train.global_batch_size=2",
             "checkpoint.every_steps=1000", "train.progress=lines")
 
@@ -288,15 +297,23 @@ def test_sigterm_and_ctrl_c_end_at_a_step_with_checkpoint_and_summary(tmp_path):
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    """Ctrl-C asks for a stop at the next step boundary; a second one before it stops at once: exit 130, no
+    checkpoint of the step it cut short, and the summary and the console say how the run ended. The second is
+    sent once the run has said it received the first (two signals sent together may reach it as one, and the
+    run would stop at the boundary as after one); a step of 8 micro-batches leaves it time to land."""
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, *SLOW_RUN, "logger=none")
-    _wait_for_rows(run_dir, proc, 2)
+    proc = _start(run_dir, *SLOW_RUN, "logger=none", "train.seq_len=256", "train.global_batch_size=8",
+                  "train.micro_batch_size=1")
+    _wait_for_rows(run_dir, proc, 1)
     proc.send_signal(signal.SIGINT)
+    _wait_for_output(tmp_path / "run.out", proc, "received SIGINT: stopping at the next step boundary")
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
     output = (tmp_path / "run.out").read_text()
-    assert "Traceback" not in output
-    assert read_summary(run_dir)["status"] == "interrupted"
+    assert "Traceback" not in output and "stopped at once by a second Ctrl-C" in output, output[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted" and summary["error"].startswith("KeyboardInterrupt"), summary
+    assert not list(run_dir.glob("checkpoints/step_*")), "the stop at once saved a checkpoint"
 
 
 @pytest.mark.slow
