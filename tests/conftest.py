@@ -231,6 +231,20 @@ def wait_until(condition, timeout_s: float = 60.0, what: str = "the condition") 
         time.sleep(0.005)
 
 
+@contextlib.contextmanager
+def membudget_log(handler: logging.Handler):
+    """`handler` on the membudget logger, at INFO, while the block runs; the logger as it was afterwards."""
+    logger = logging.getLogger("membudget")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 

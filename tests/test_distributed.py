@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from membudget.errors import Stopped, UserError
-from tests.conftest import (FAST_COMPILE, compose_cfg, read_metrics, read_summary, run_ranks, train_here,
-                            train_py_ranks, wait_until)
+from tests.conftest import (FAST_COMPILE, compose_cfg, membudget_log, read_metrics, read_summary, run_ranks,
+                            train_here, train_py_ranks, wait_until)
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -153,17 +153,10 @@ def plan_then_train(base: str, *overrides: str) -> list[str]:
     with Planner(fsdp, world_size=2) as planner:
         planner.plan(planner.point("none"), "none")
     train(fsdp, Path(base) / "fsdp")
-    said, logger = _Said(), logging.getLogger("membudget")
-    level = logger.level
-    logger.addHandler(said)
-    logger.setLevel(logging.INFO)
-    try:
+    with membudget_log(_Said()) as said:
         # two budgets to choose among: the point is where auto plans, not what it chooses (the sweep: test_plan_cli)
         train(compose_cfg(*sized(4), *overrides, "parallelism=tp", "ac=memory_budget", "ac.memory_budget=auto",
                           "plan.budgets=[0.5,1.0]"), Path(base) / "tp")
-    finally:
-        logger.removeHandler(said)
-        logger.setLevel(level)
     # and one that nothing fits: rank 0's line on every rank
     refused = None
     try:
@@ -173,17 +166,12 @@ def plan_then_train(base: str, *overrides: str) -> list[str]:
         refused = str(e)
     # and one whose planning SIGTERM ends, as torchrun's and SLURM's reach rank 0 and its planner process
     stopped = None
-    terminate = _TerminatePlanning()
-    logger.addHandler(terminate)
-    logger.setLevel(logging.INFO)
     try:
-        train(compose_cfg(*sized(4), *overrides, "parallelism=tp", "ac=memory_budget", "ac.memory_budget=auto",
-                          "plan.budgets=[0.5]"), Path(base) / "stopped")
+        with membudget_log(_TerminatePlanning()):
+            train(compose_cfg(*sized(4), *overrides, "parallelism=tp", "ac=memory_budget", "ac.memory_budget=auto",
+                              "plan.budgets=[0.5]"), Path(base) / "stopped")
     except Stopped as e:
         stopped = f"{e.status}: {e}"
-    finally:
-        logger.removeHandler(terminate)
-        logger.setLevel(level)
     return [line for line in said.lines if "ac.memory_budget=auto -> " in line] + [refused, stopped]
 
 

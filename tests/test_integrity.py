@@ -4,7 +4,6 @@ SIGTERM and Ctrl-C, a full disk, and a SIGKILL at a random step."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -22,8 +21,8 @@ import membudget.trainer as trainer
 from membudget.errors import Stopped, UserError
 from membudget.internals import tree_leaves
 from membudget.rundir import ARCHIVE
-from tests.conftest import (FAST_COMPILE, ROOT, TINY, read_metrics, read_summary, small_tmpfs, subprocess_env,
-                            train_here, train_py_here)
+from tests.conftest import (FAST_COMPILE, ROOT, TINY, membudget_log, read_metrics, read_summary, small_tmpfs,
+                            subprocess_env, train_here, train_py_here)
 from tests.wandb_offline import find_offline_runs, read_offline_run
 
 RUN = (*TINY, "train.steps=6", "checkpoint.every_steps=2")
@@ -242,23 +241,27 @@ def _start(run_dir: Path, *overrides: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _wait_for_rows(run_dir: Path, proc: subprocess.Popen, n: int, timeout: float = 120) -> None:
-    metrics = run_dir / "metrics.jsonl"
+def _wait_while_running(proc: subprocess.Popen, holds, what: str, timeout: float) -> None:
+    """Poll `holds()` while `proc` runs: a process that ended first fails at once, with its exit status."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+        if holds():
             return
         time.sleep(0.01)
-    raise AssertionError(f"no {n} metrics rows in {timeout} s (exit {proc.poll()})")
+    raise AssertionError(f"no {what} in {timeout} s (exit {proc.poll()})")
+
+
+def _wait_for_rows(run_dir: Path, proc: subprocess.Popen, n: int, timeout: float = 120) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    _wait_while_running(proc, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= n,
+                        f"{n} metrics rows", timeout)
 
 
 def _wait_for_output(out: Path, proc: subprocess.Popen, text: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if text in out.read_text():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"no {text!r} in {timeout} s (exit {proc.poll()}): {out.read_text()[-2000:]}")
+    try:
+        _wait_while_running(proc, lambda: text in out.read_text(), repr(text), timeout)
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {out.read_text()[-2000:]}") from None
 
 
 SLOW_RUN = ("logger=wandb", "train.steps=200", "train.seq_len=64", "train.global_batch_size=2",
@@ -399,20 +402,6 @@ class _SignalAt(logging.Handler):
             signal.raise_signal(self.signum)
 
 
-@contextlib.contextmanager
-def _signal_at(prefix: str):
-    handler = _SignalAt(prefix)
-    logger = logging.getLogger("membudget")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 @pytest.mark.slow
 def test_a_stop_during_set_up_ends_the_run_before_its_first_step(tmp_path, monkeypatch):
     """SIGTERM while auto plans: the planning ends at once, with nothing written. SIGTERM later in the set-up of
@@ -442,7 +431,7 @@ def test_a_stop_during_set_up_ends_the_run_before_its_first_step(tmp_path, monke
 
     run_dir = tmp_path / "run"
     eager = (*TINY, "checkpoint.every_steps=1", "train.steps=2")
-    with _signal_at("model llama3_debug: ") as signalled, pytest.raises(Stopped) as stopped:
+    with membudget_log(_SignalAt("model llama3_debug: ")) as signalled, pytest.raises(Stopped) as stopped:
         train_here(run_dir, *eager)
     assert signalled.sent == 1
     assert str(stopped.value) == ("stopped by SIGTERM before step 1, during set-up: nothing trained yet, nothing "
@@ -459,7 +448,7 @@ def test_a_stop_during_set_up_ends_the_run_before_its_first_step(tmp_path, monke
     assert [r["step"] for r in rows] == [1, 2] and checkpoints[-1] == "step_0000002"
 
     more = (*eager, "train.steps=4")
-    with _signal_at("resumed from") as signalled, pytest.raises(Stopped) as stopped:
+    with membudget_log(_SignalAt("resumed from")) as signalled, pytest.raises(Stopped) as stopped:
         train_here(run_dir, *more)
     assert signalled.sent == 1
     assert str(stopped.value) == ("stopped by SIGTERM before step 3, during set-up: nothing trained since the "
