@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from membudget import options, schema
 from membudget.errors import UserError
 from membudget.rules import compile_enabled, validate
-from tests.conftest import CONF, ROOT, compose_cfg
+from tests.conftest import CONF, ROOT, compose_cfg, hydra_compose
 
 GROUPS = ["ac", "ac_point", "model", "parallelism", "data", "tokenizer", "logger", "experiment", "debug"]
 # a world size each parallelism option fits (hsdp shards over groups of 8)
@@ -119,3 +119,26 @@ def test_help_shows_the_groups_and_options_that_exist():
         assert line.split(": ", 1)[1].split(", ") == list(options.group_options(group)), group
     assert "ac_schema" not in done.stdout and "ac_point" in done.stdout
     assert "python train.py ac=memory_budget ac.memory_budget=0.4" in done.stdout
+
+
+@pytest.mark.parametrize("overrides", [
+    (), ("logger=none", "train.steps=3", "train.seq_len=32"), ("ac=memory_budget", "ac.memory_budget=auto"),
+    ("model=llama3_8b", "parallelism=fsdp", "parallelism.dp_shard=8", "plan.budgets=[0.1,0.2]"),
+    ("+ac_point=budget_0.5", "model.n_layers=2"), ("experiment=budget_sweep", "compile.enabled=null"),
+    ("debug=fast", "+train.extra=1", "++train.steps=5", "~ac.solver"), ("ac=per_block", "ac.blocks='full*2'"),
+    # refused: each with the exception and message Hydra's compose gives
+    ("train.steps=abc",), ("nonexistent=1",), ("ac=bogus",), ("+train.steps=3",), ("train.steps=1,2",),
+    ("train.steps=range(1,3)",), ("ac.mode=bogus", "ac=full"),
+])
+def test_the_tests_compose_as_hydra_does(overrides):
+    """compose_cfg composes the groups once and applies the other overrides with Hydra's own second stage: the
+    same config as Hydra's compose (values, types, struct flag), or the same error."""
+
+    def outcome(compose):
+        try:
+            cfg = compose()
+        except Exception as e:  # noqa: BLE001 (the exception is the outcome compared)
+            return type(e), str(e)
+        return OmegaConf.to_yaml(cfg), repr(cfg), OmegaConf.is_struct(cfg), OmegaConf.is_readonly(cfg)
+
+    assert outcome(lambda: compose_cfg(*overrides)) == outcome(lambda: hydra_compose(*overrides))
