@@ -360,7 +360,7 @@ def check_diagnostics(cfg: Any) -> None:
     d = cfg.diagnostics
     for key, least in (("snapshot_steps", 1), ("profile_active", 1), ("profile_wait", 0), ("profile_warmup", 0)):
         if getattr(d, key) < least:
-            fail(f"diagnostics.{key}", getattr(d, key), f"must be at least {least} steps")
+            fail(f"diagnostics.{key}", getattr(d, key), f"must be a step count of at least {least}")
 
 
 SECTIONS = (check_ac, check_model, check_optimizer, check_checkpoint, check_data, check_plan, check_diagnostics)

@@ -24,7 +24,7 @@ from membudget.report import plots
 from membudget.report.pareto import Ties, dominates, pareto_front, tied
 from membudget.units import MiB, fmt_bytes, fmt_time
 from membudget.launch import register_configs
-from membudget.schema import ac_label
+from membudget.schema import PlanConfig, ac_label
 from tests.conftest import FAST_COMPILE, ROOT, multirun_here
 from tests.wandb_offline import find_offline_runs, read_offline_run, read_offline_runs, read_table
 
@@ -364,10 +364,13 @@ def test_ac_modes_preset():
 
 @pytest.mark.slow
 def test_budget_sweep_preset():
+    """The sweep measures the budgets the planner plans (plan.budgets' default, what auto chooses among): its
+    points are written out in conf/ac_point/, and the report and the search proof compare the two grids."""
     jobs = _sweep_jobs("budget_sweep")
     points = [(c.ac.mode, c.ac.memory_budget if c.ac.mode == "memory_budget" else None) for c in jobs]
     assert points == [("none", None), ("full", None), ("selective", None)] + [
-        ("memory_budget", b / 10) for b in range(11)]  # exactly 0.3, not 0.30000000000000004
+        ("memory_budget", b) for b in PlanConfig().budgets]
+    assert 0.3 in PlanConfig().budgets  # exactly 0.3, not 0.30000000000000004
     assert all(c.compile.enabled is True for c in jobs), COMPILED
     assert all(c.compile.backend == "inductor" for c in jobs)
 
