@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from membudget.collector import collect_rarely
 from membudget.launch import register_configs
@@ -50,13 +50,14 @@ def compose_cfg(*overrides: str, hydra: bool = False):
     """The config train.py would run with these overrides (and Hydra's own node with hydra=True): a fresh copy
     each call. Hydra composes in two stages: the config groups the overrides select (the defaults list, the
     files it reads and merges: ~0.1 s), then the other overrides, applied to that one by one. The first stage is
-    composed once per session for each choice of groups (391 compositions of the suite share 125), the second
-    is Hydra's own code run on a copy: the same config (tests/test_config.py checks them against compose)."""
-    values = OverridesParser.create().parse_overrides([o for o in overrides if not _is_group(o)])
+    composed once per session for each choice of groups (the suite's compositions share a third as many), the
+    second is Hydra's own code run on a copy: the same config (tests/test_config.py checks it against compose)."""
+    groups = tuple(o for o in overrides if _is_group(o))
+    values = OverridesParser.create().parse_overrides([o for o in overrides if o not in groups])
     # Hydra's node records every override; a sweep's values are refused by the first stage, not the second
     if hydra or any(o.key_or_group.startswith("hydra") or o.is_sweep_override() for o in values):
         return copy.deepcopy(_compose(tuple(overrides), hydra))
-    cfg = copy.deepcopy(_compose(tuple(o for o in overrides if _is_group(o)), False))
+    cfg = copy.deepcopy(_compose(groups, False))
     # Hydra's second stage (in ConfigLoaderImpl._load_configuration_impl), a private API of Hydra's
     ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
     return cfg
