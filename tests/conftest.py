@@ -52,11 +52,13 @@ def compose_cfg(*overrides: str, hydra: bool = False):
     files it reads and merges: ~0.1 s), then the other overrides, applied to that one by one. The first stage is
     composed once per session for each choice of groups (the suite's compositions share a third as many), the
     second is Hydra's own code run on a copy: the same config (tests/test_config.py checks it against compose)."""
+    if hydra:  # Hydra's node records every override
+        return copy.deepcopy(_compose(overrides, True))
     groups = tuple(o for o in overrides if _is_group(o))
     values = OverridesParser.create().parse_overrides([o for o in overrides if o not in groups])
-    # Hydra's node records every override; a sweep's values are refused by the first stage, not the second
-    if hydra or any(o.key_or_group.startswith("hydra") or o.is_sweep_override() for o in values):
-        return copy.deepcopy(_compose(tuple(overrides), hydra))
+    # a hydra key is Hydra's node's; a sweep's values are refused by the first stage, not the second
+    if any(o.key_or_group.startswith("hydra") or o.is_sweep_override() for o in values):
+        return copy.deepcopy(_compose(overrides, False))
     cfg = copy.deepcopy(_compose(groups, False))
     # Hydra's second stage (in ConfigLoaderImpl._load_configuration_impl), a private API of Hydra's
     ConfigLoaderImpl._apply_overrides_to_config(values, cfg)

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from membudget import report
@@ -23,9 +22,8 @@ from membudget.internals import basic_sweeper_jobs
 from membudget.report import plots
 from membudget.report.pareto import Ties, dominates, pareto_front, tied
 from membudget.units import MiB, fmt_bytes, fmt_time
-from membudget.launch import register_configs
 from membudget.schema import PlanConfig, ac_label
-from tests.conftest import FAST_COMPILE, ROOT, multirun_here
+from tests.conftest import FAST_COMPILE, ROOT, compose_cfg, multirun_here
 from tests.wandb_offline import find_offline_runs, read_offline_run, read_offline_runs, read_table
 
 
@@ -335,13 +333,15 @@ def test_no_budget_plot_without_a_budget_sweep():
 
 # --- presets -------------------------------------------------------------------------------------------------
 
+def _sweep_overrides(experiment: str) -> list[list[str]]:
+    """Each job's overrides of `python train.py -m experiment=<experiment>`, as Hydra's basic sweeper expands them."""
+    params = compose_cfg(f"experiment={experiment}", hydra=True).hydra.sweeper.params
+    return basic_sweeper_jobs(params, [f"experiment={experiment}"])
+
+
 def _sweep_jobs(experiment: str) -> list[dict]:
     """The composed config of every job of `python train.py -m experiment=<experiment>`."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        params = compose("config", [f"experiment={experiment}"], return_hydra_config=True).hydra.sweeper.params
-        jobs = basic_sweeper_jobs(params, [f"experiment={experiment}"])
-        return [compose("config", job) for job in jobs]
+    return [compose_cfg(*job) for job in _sweep_overrides(experiment)]
 
 
 # The presets set compile.enabled: true; it only holds if conf/config.yaml merges `experiment` after `_self_`.
@@ -349,13 +349,10 @@ COMPILED = "compile.enabled of the preset was overridden: conf/config.yaml must 
 
 
 def test_ac_modes_preset():
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        params = compose("config", ["experiment=ac_modes"], return_hydra_config=True).hydra.sweeper.params
-        jobs = basic_sweeper_jobs(params, ["experiment=ac_modes"])
-        assert [job[0] for job in jobs] == ["ac=none", "ac=full", "ac=selective", "ac=memory_budget"]
-        # the modes are plain group options; what the preset must keep is one compiled setting for all
-        first, last = compose("config", jobs[0]), compose("config", jobs[-1])
+    jobs = _sweep_overrides("ac_modes")
+    assert [job[0] for job in jobs] == ["ac=none", "ac=full", "ac=selective", "ac=memory_budget"]
+    # the modes are plain group options; what the preset must keep is one compiled setting for all
+    first, last = compose_cfg(*jobs[0]), compose_cfg(*jobs[-1])
     assert (first.ac.mode, last.ac.mode) == ("none", "memory_budget")
     assert first.compile.enabled is True and last.compile.enabled is True, COMPILED
     assert first.compile.backend == last.compile.backend == "inductor"
