@@ -76,13 +76,15 @@ def test_default_run_learns(tmp_path):
 def test_readme_command_runs_as_typed_with_inductor(tmp_path):
     """`python train.py ac=memory_budget ac.memory_budget=0.4`: compile turns on, and inductor honours the budget:
     the activations saved lie 0.4 of the way from full AC's (everything recomputed) to budget 1.0's (compiled,
-    nothing recomputed)."""
+    nothing recomputed). Budget 1.0 is compiled without code generation (aot_eager_decomp_partition: inductor's
+    decompositions and partitioner, which decide what is saved; both backends save the same bytes at 0.4 and 1.0),
+    so that a new machine compiles one run with inductor, not two."""
     summary = train_here(tmp_path / "run", *TINY, "ac=memory_budget", "ac.memory_budget=0.4", "train.steps=2")
     assert summary["compile"] is True and summary["memory_budget"] == 0.4
     assert summary["config"]["compile"]["backend"] == "inductor"
     saved = {"full": train_here(tmp_path / "full", *TINY, "ac=full", "train.steps=2")["activation_bytes"],
              "1.0": train_here(tmp_path / "1.0", *TINY, "ac=memory_budget", "ac.memory_budget=1.0",
-                               "train.steps=2")["activation_bytes"]}
+                               "train.steps=2", FAST_COMPILE)["activation_bytes"]}
     assert saved["full"] < summary["activation_bytes"] < saved["1.0"], (summary["activation_bytes"], saved)
     share = (summary["activation_bytes"] - saved["full"]) / (saved["1.0"] - saved["full"])  # 0.3998 on torch 2.13
     assert share == pytest.approx(0.4, abs=0.05), share
