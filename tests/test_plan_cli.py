@@ -123,16 +123,19 @@ def test_auto_says_what_would_fit_when_no_budget_does():
 def test_when_no_budget_fits_the_line_names_the_lowest_budget_and_what_else_would():
     """A sweep that also plans the modes (python -m membudget.plan): auto chooses among the budgets only, so the
     line names the lowest budget's peak, and ac=full, which fits, as the fix (it read "no setting fits ... lowest
-    planned reserved peak 45.29 GiB, offload: fits" for 8B on 8 ranks with plan.budgets=[0.3,0.5,0.7])."""
-    budgets = [plan(f"memory_budget {b}", b, reserved=int((76 + 10 * b) * GiB), verdict="does not fit")
+    planned reserved peak 45.29 GiB, offload: fits" for 8B on 8 ranks with plan.budgets=[0.3,0.5,0.7]). Against
+    the device's memory the line shows what the verdict held against it: the reserved peak and the CUDA context
+    (it read "no budget fits 75.0 GiB ... lowest planned reserved peak 74.7 GiB ...: does not fit")."""
+    budgets = [plan(f"memory_budget {b}", b, reserved=int((74.7 + 10 * (b - 0.3)) * GiB), verdict="does not fit")
                for b in (0.3, 0.5)]
     full = plan("full", None, reserved=50 * GiB)
     with pytest.raises(UserError) as info:
         choose_or_explain([full, *budgets], compose_cfg("plan.budgets=[0.3,0.5]"), None)
     message = str(info.value)
     assert "no budget fits 75.0 GiB per rank" in message, message
-    assert "lowest planned reserved peak 79.0 GiB, memory_budget 0.3: does not fit" in message, message
-    assert "ac=full plans 50.0 GiB (fits)" in message, message
+    assert ("lowest planned reserved peak 74.7 GiB + 512 MiB outside the allocator, memory_budget 0.3: does not fit"
+            in message), message
+    assert "ac=full plans reserved peak 50.0 GiB + 512 MiB outside the allocator (fits)" in message, message
 
 
 def test_a_small_target_that_nothing_fits_reads_in_its_own_unit():
@@ -143,8 +146,8 @@ def test_a_small_target_that_nothing_fits_reads_in_its_own_unit():
     with pytest.raises(UserError) as info:
         choose_or_explain([full, *budgets], compose_cfg("plan.budgets=[0.3,0.5]"), None)
     message = str(info.value)
-    assert "no budget fits 4.00 MiB per rank" in message and "peak 8.30 MiB, memory_budget 0.3" in message, message
-    assert "ac=full plans 6.00 MiB (does not fit)" in message, message
+    assert "no budget fits 4.00 MiB per rank" in message and "peak 8.30 MiB + 512 MiB" in message, message
+    assert "ac=full plans reserved peak 6.00 MiB + 512 MiB outside the allocator (does not fit)" in message, message
 
 
 def test_budget_auto_and_sweep_in_config():

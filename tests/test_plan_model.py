@@ -195,6 +195,10 @@ def test_non_monotonic_reserved_peaks_are_flagged_and_the_reports_say_what_was_a
                   "planned as aot_eager_decomp_partition", "step 2", "tokens/s per device"):
         assert words in text, words
     assert "(peak below a smaller budget's)" in sweep_markdown(bumped)
-    assert plans[1].summary_line().startswith("planned reserved peak 60.0 GiB of 75.0 GiB (the device) per rank: fits, "
-                                              "predicted ")
+    assert plans[1].summary_line().startswith("planned reserved peak 60.0 GiB + 512 MiB outside the allocator of "
+                                              "75.0 GiB (the device) per rank: fits, predicted ")
+    # under ac.target_memory_gib the verdict holds the reserved peak alone against the target
+    targeted = dataclasses.replace(plans[1], limit_source="ac.target_memory_gib=75", judged_bytes=60 * GiB)
+    assert targeted.summary_line().startswith("planned reserved peak 60.0 GiB of 75.0 GiB (ac.target_memory_gib=75) "
+                                              "per rank: fits, ")
     assert fmt_bytes(1536 * MiB) == "1.50 GiB" and fmt_bytes(3 * KiB) == "3.00 KiB"

@@ -117,13 +117,17 @@ class Plan:
         return self.reserved.nbytes if self.reserved is not None else self.allocated.nbytes
 
     @property
+    def judged(self) -> str:
+        """What the verdict held against the limit (judged_bytes), in words: the reserved peak (a CPU's: the
+        allocated one), and what the device holds outside the allocator where the limit is the device's memory."""
+        peak = f"reserved peak {fmt_bytes(self.reserved_peak)}" if self.reserved is not None else f"peak {fmt_bytes(self.peak)}"
+        outside = self.judged_bytes - self.reserved_peak
+        return f"{peak} + {fmt_bytes(outside)} outside the allocator" if outside > 0 else peak
+
+    @property
     def needed(self) -> int:
         """What the device must hold at the peak: reserved memory and what lies outside the allocator."""
         return self.reserved_peak + sum(self.overheads.values())
-
-    @property
-    def target(self) -> Optional[int]:
-        return self.limit
 
     @property
     def fits(self) -> Optional[bool]:
@@ -151,8 +155,7 @@ class Plan:
         limit = "" if self.limit is None else f" of {fmt_bytes(self.limit)} ({self.limit_source})"
         speed = "" if self.time is None else (f", predicted {self.tokens_per_s_per_device:,.0f} tokens/s per device "
                                               f"(bound by {self.time.bound})")
-        memory = f"reserved peak {fmt_bytes(self.reserved_peak)}" if self.reserved is not None else f"peak {fmt_bytes(self.peak)}"
-        return f"planned {memory}{limit} per rank: {self.verdict}{speed}; {where}"
+        return f"planned {self.judged}{limit} per rank: {self.verdict}{speed}; {where}"
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)

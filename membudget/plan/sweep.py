@@ -169,7 +169,7 @@ def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int], device:
         chosen = mixed or best
         if chosen is not None:
             return (chosen.policies if key == "ac.blocks" else chosen.memory_budget), chosen
-        lowest = min(candidates, key=lambda p: p.reserved_peak)  # of what auto may choose: the others are fixes
+        lowest = min(candidates, key=lambda p: p.judged_bytes)  # of what auto may choose: the others are fixes
         full = next((p for p in plans if p.ac_mode == "full"), None)
         if full is None:
             full = planner.plan(planner.point("full"), "full")
@@ -178,6 +178,6 @@ def choose_or_explain(plans: list[Plan], cfg, world_size: Optional[int], device:
     raise UserError(
         f"{key}=auto: no {'setting' if key == 'ac.blocks' else 'budget'} fits {fmt_bytes(lowest.limit)} per rank on "
         f"{lowest.device.name} "
-        f"(lowest planned reserved peak {fmt_bytes(lowest.reserved_peak)}, {lowest.label}: {lowest.verdict}); "
-        f"ac=full plans {fmt_bytes(full.reserved_peak)} ({full.verdict}); or {lower}lower train.micro_batch_size / "
+        f"(lowest planned {lowest.judged}, {lowest.label}: {lowest.verdict}); "
+        f"ac=full plans {full.judged} ({full.verdict}); or {lower}lower train.micro_batch_size / "
         f"train.seq_len, or shard over more ranks (parallelism=fsdp with a larger plan.world_size)")
