@@ -8,7 +8,7 @@ import pytest
 from membudget.errors import UserError
 from membudget.plan import choose, choose_or_explain, plan_setting
 from membudget.rules import validate
-from membudget.units import GiB, MiB
+from membudget.units import GiB, MiB, fmt_bytes
 from tests.conftest import FAST_COMPILE, compose_cfg, hydra_main_here
 from tests.test_plan_model import plan
 
@@ -98,6 +98,10 @@ def test_a_sharded_plan_shows_its_setting_under_each_reshard_policy(tmp_path):
     table = text.split("## FSDP's reshard policies")[1]
     assert table.count("(this plan)") == 1 and "| never (this plan) |" in table
     assert all(f"| {policy} |" in table for policy in others) and "tokens/s per device" in table
+    # each row's verdict beside what it judged: the reserved peak and the CUDA context against the A100's memory
+    assert "| policy | reserved peak | against the limit | verdict |" in table
+    assert (f"| never (this plan) | {fmt_bytes(result['reserved_peak'])} | {fmt_bytes(result['judged_bytes'])} | "
+            f"{result['verdict']} |") in table and result["judged_bytes"] > result["reserved_peak"]
 
     alone = run(compose_cfg(*SMALL), tmp_path / "one")  # one process: nothing is sharded
     assert alone["reshard_policies"] == []

@@ -119,12 +119,13 @@ def reshard_markdown(plan: Plan, others: list[Plan]) -> str:
              "never keeps each block's gathered parameters from its forward to its backward (no all-gather in the "
              "backward); always also frees the last block's after its forward; default frees every block's but the "
              "last's.", "",
-             "| policy | reserved peak | needed | verdict |" + (" step s | tokens/s per device |" if timed else ""),
+             f"| policy | {'reserved peak' if plan.reserved is not None else 'peak'} | against the limit | verdict |"
+             + (" step s | tokens/s per device |" if timed else ""),
              "|---|---:|---:|---|" + ("---:|---:|" if timed else "")]
     for p in sorted([plan, *others], key=lambda p: p.setting.reshard_after_forward):
         name = p.setting.reshard_after_forward + (" (this plan)" if p is plan else "")
         speed = f" {p.step_seconds:.3f} | {p.tokens_per_s_per_device:,.0f} |" if timed else ""
-        lines.append(f"| {name} | {fmt_bytes(p.reserved_peak)} | {fmt_bytes(p.needed)} | {p.verdict} |{speed}")
+        lines.append(f"| {name} | {fmt_bytes(p.reserved_peak)} | {fmt_bytes(p.judged_bytes)} | {p.verdict} |{speed}")
     return "\n".join(lines) + "\n"
 
 
