@@ -703,6 +703,13 @@ def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnosti
             raise _stopped(run, stop, f"after step {step}, {saved}")
 
 
+def _steps_words(span: Optional[list[int]]) -> str:
+    """[first, last] steps as words: "steps 26-100", "step 1", "no step"."""
+    if not span:
+        return "no step"
+    return f"step {span[0]}" if span[0] == span[1] else f"steps {span[0]}-{span[1]}"
+
+
 def summarize(run: Run) -> dict[str, Any]:
     rows = [r for r in run.rows if r.get("loss") is not None]
     # the first logged steps include compilation: leave them out of the medians when there are enough
@@ -714,6 +721,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "param_bytes_per_rank": sum(local_tensor(p).nbytes for p in {id(p): p for p in run.model.parameters()}.values()),
         "steps": run.cfg.train.steps,
         "final_loss": rows[-1]["loss"] if rows else None,
+        "median_steps": [steady[0]["step"], steady[-1]["step"]] if steady else None,  # what the medians cover
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
         "median_step_time_s": statistics.median(r["step_time_s"] for r in steady) if steady else None,
         "peak_memory_bytes": max((r["peak_memory_bytes"] for r in run.rows), default=None),
@@ -784,9 +792,10 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
                 finally:
                     progress.close()
                 summary = summarize(run)
-                log.info("done: %s; final loss %s, median %.0f tok/s (compilation excluded), activations %.1f MiB, "
-                         "peak memory %.2f GiB", run.label, summary["final_loss"], summary["median_tokens_per_s"] or 0,
-                         (summary["activation_bytes"] or 0) / MiB, (summary["peak_memory_bytes"] or 0) / GiB)
+                log.info("done: %s; final loss %s, median %.0f tok/s over %s, activations %.1f MiB, peak memory "
+                         "%.2f GiB", run.label, summary["final_loss"], summary["median_tokens_per_s"] or 0,
+                         _steps_words(summary["median_steps"]), (summary["activation_bytes"] or 0) / MiB,
+                         (summary["peak_memory_bytes"] or 0) / GiB)
             except Stopped as e:  # at a step boundary, or while rank 0 planned (no run yet, nothing written)
                 summary, stopped = {**(summarize(run) if run else {}), "status": e.status, "stopped": str(e)}, e
             except BaseException as e:

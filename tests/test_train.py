@@ -33,6 +33,7 @@ def test_train_writes_metrics_and_summary(tmp_path, ac):
     assert summary["num_params"] > 0 and summary["activation_bytes"] == rows[-1]["activation_bytes"]
     assert summary["config"]["ac"]["mode"] == ac[0].split("=")[1]
     assert {"median_tokens_per_s", "peak_memory_bytes", "steady_peak_memory_bytes", "mfu"} <= set(summary)
+    assert summary["median_steps"] == [1, 3]  # fewer than four logged steps: the medians leave none out
 
 
 def test_wandb_offline_run_holds_the_metrics(tmp_path):
@@ -60,6 +61,8 @@ def test_the_console_and_train_log_show_what_the_run_does(tmp_path):
     assert all(f"step {s} | loss" in log for s in range(1, 5))
     assert "compiling 4 blocks" in log and "saved activations per block" in log
     assert f"done: {setting}" in log
+    # the medians leave out the first quarter of the logged steps (the compiling one here), and say so
+    assert read_summary(run_dir)["median_steps"] == [2, 4] and " tok/s over steps 2-4, " in log
     assert setting in proc.stderr  # the bar's description
     assert "step 2 | loss" not in proc.stderr  # the bar shows the step: its line goes to the file only
     assert "assuming the intent" not in proc.stdout + proc.stderr
