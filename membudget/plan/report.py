@@ -119,7 +119,7 @@ def reshard_markdown(plan: Plan, others: list[Plan]) -> str:
              "never keeps each block's gathered parameters from its forward to its backward (no all-gather in the "
              "backward); always also frees the last block's after its forward; default frees every block's but the "
              "last's.", "",
-             f"| policy | {'reserved peak' if plan.reserved is not None else 'peak'} | against the limit | verdict |"
+             f"| policy | {plan.peak_name} | against the limit | verdict |"
              + (" step s | tokens/s per device |" if timed else ""),
              "|---|---:|---:|---|" + ("---:|---:|" if timed else "")]
     for p in sorted([plan, *others], key=lambda p: p.setting.reshard_after_forward):

@@ -117,10 +117,15 @@ class Plan:
         return self.reserved.nbytes if self.reserved is not None else self.allocated.nbytes
 
     @property
+    def peak_name(self) -> str:
+        """What reserved_peak is called: a CPU has no caching allocator, so its peak is the allocated one."""
+        return "reserved peak" if self.reserved is not None else "peak"
+
+    @property
     def judged(self) -> str:
         """What the verdict held against the limit (judged_bytes), in words: the reserved peak (a CPU's: the
         allocated one), and what the device holds outside the allocator where the limit is the device's memory."""
-        peak = f"reserved peak {fmt_bytes(self.reserved_peak)}" if self.reserved is not None else f"peak {fmt_bytes(self.peak)}"
+        peak = f"{self.peak_name} {fmt_bytes(self.reserved_peak)}"
         outside = self.judged_bytes - self.reserved_peak
         return f"{peak} + {fmt_bytes(outside)} outside the allocator" if outside > 0 else peak
 
