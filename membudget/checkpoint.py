@@ -375,7 +375,8 @@ class Checkpointer:
                     log.warning("resuming from %s; skipped: %s", candidate, "; ".join(skipped))
                 log.info("resumed from %s at step %d", candidate, state["step"])
                 return candidate, state
-            log.warning("checkpoint %s is damaged (%s): skipping it", candidate, problem)
+            if path is None:  # a named checkpoint has nothing to skip to: its error below says it once
+                log.warning("checkpoint %s is damaged (%s): skipping it", candidate, problem)
             skipped.append(f"{candidate.name} ({problem})")
         if path is not None:
             raise UserError(f"checkpoint.resume={str(path)!r}: cannot resume from it ({problem}); point it at an "

@@ -251,7 +251,7 @@ def test_random_damage_resumes_from_the_newest_intact_checkpoint(tmp_path):
     assert "step_0000004" in message and "step_0000002" in message
 
 
-def test_a_path_that_is_not_a_checkpoint(tmp_path):
+def test_a_path_that_is_not_a_checkpoint(tmp_path, caplog):
     assert Checkpointer(tmp_path, CheckpointConfig()).restore(*tiny_run()) is None  # nothing to resume
     saved = Checkpointer(tmp_path, CheckpointConfig()).save(5, *tiny_run(), extra={"wandb_id": "abc"})
     assert read_train_state(saved)["extra"] == {"wandb_id": "abc"}  # what the trainer needs before W&B starts
@@ -261,6 +261,8 @@ def test_a_path_that_is_not_a_checkpoint(tmp_path):
     # a path that is not there (a typo, checkpoint.resume='' read as the working dir's '.') says so
     with pytest.raises(UserError, match=r"^checkpoint.resume='.*step_0000099': cannot resume from it \(no such dir"):
         Checkpointer(tmp_path, CheckpointConfig()).restore(*tiny_run(), path=tmp_path / "step_0000099")
+    # each said once, in its error: no warning that it was "skipped" for a checkpoint that nothing follows
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "skipping" in r.getMessage()]
 
 
 def test_config_changes_are_classified():
