@@ -18,6 +18,7 @@ from membudget.collector import collect_rarely
 from membudget.console import log_error_once, one_line_hydra_errors, override_problem, quiet_log_file_errors
 from membudget.errors import Stopped, UserError
 from membudget.launch import launch_from_env, register_configs
+from membudget.options import CONF_DIR
 from membudget.rules import validate
 from membudget.search import objective
 
@@ -30,7 +31,7 @@ register_configs()
 log = logging.getLogger("membudget")
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> float:
     quiet_log_file_errors()  # train.log on a full disk: its lines are lost, never a `--- Logging error ---`
     hc = HydraConfig.get()

@@ -553,6 +553,18 @@ def register_configs() -> None:
     register_resolvers()
 
 
+def compose_config(overrides, hydra: bool = False):
+    """The config of `python train.py <overrides>`, composed outside a Hydra entry point (scripts, the evidence
+    table, tests) from conf/ (membudget.options.CONF_DIR); `hydra`: with Hydra's own node, as a job sees it."""
+    from hydra import compose, initialize_config_dir
+
+    from membudget.options import CONF_DIR
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+
+
 def register_resolvers() -> None:
     """`${run_name:}` for Hydra's run/sweep dirs, `${rank_suffix:}` for each rank's own log file, and
     `${signal_delay_s:}` for the SLURM launcher preset."""

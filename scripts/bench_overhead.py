@@ -22,14 +22,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from membudget.ac import compiler_scope  # noqa: E402
 from membudget.data import TokenBatches, build_tokenizer  # noqa: E402
-from membudget.launch import register_configs  # noqa: E402
+from membudget.launch import compose_config  # noqa: E402
 from membudget.step import build_model  # noqa: E402
 from membudget.trainer import train  # noqa: E402
 
@@ -74,10 +73,7 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=40)
     parser.add_argument("--pairs", type=int, default=7)
     args = parser.parse_args()
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["logger=none", "train.progress=off", "checkpoint.enabled=false",
-                                           *args.overrides])
+    cfg = compose_config(["logger=none", "train.progress=off", "checkpoint.enabled=false", *args.overrides])
     print(f"ac={cfg.ac.mode} batch={cfg.train.global_batch_size}x{cfg.train.seq_len} "
           f"threads={torch.get_num_threads()}, {args.pairs} pairs of ({args.long} - {args.short}) steps")
     ratios, ours, bare = [], [], []

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -34,20 +33,15 @@ from membudget.plan.report import blocks_markdown  # noqa: E402
 from membudget.devices import GPUS  # noqa: E402
 from membudget.plan.evidence import error, plan_row, ranked_pairs, rows, speed_summary  # noqa: E402
 from membudget.collector import collect_rarely  # noqa: E402
-from membudget.launch import register_configs  # noqa: E402
+from membudget.launch import compose_config  # noqa: E402
 from membudget.units import GiB, KiB, fmt_bytes  # noqa: E402
 
 SETTING = ["logger=none", "model=llama3_8b", "train.seq_len=8192", "parallelism=fsdp", "plan.world_size=64",
            "train.global_batch_size=64", "train.micro_batch_size=1", "ac=memory_budget", "ac.memory_budget=0.5"]
 
 
-def compose_cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
-
-
 def timings(overrides: list[str]) -> None:
-    cfg = compose_cfg(SETTING + overrides)
+    cfg = compose_config(SETTING + overrides)
     print(f"{cfg.model.name}, seq {cfg.train.seq_len}, parallelism={cfg.parallelism.name} over "
           f"{cfg.plan.world_size} ranks, {torch.get_num_threads()} threads")
     start = time.perf_counter()
@@ -102,7 +96,7 @@ def blocks(most_targets: int = 2) -> str:
     parts = []
     for title, overrides in BLOCK_SETTINGS.items():
         start = time.perf_counter()
-        cfg = compose_cfg(COMMON + overrides)
+        cfg = compose_config(COMMON + overrides)
         plans = plan_sweep(cfg, offload=True)
         full = next(p for p in plans if p.label == "full")
         at_full = int(limit_for(full.judged_bytes)) + 1  # full AC just fits: its own memory
@@ -134,7 +128,7 @@ def evidence() -> str:
         if key not in by_config:
             start = time.perf_counter()
             try:
-                by_config[key] = plan_row(row, lambda o: compose_cfg(o))
+                by_config[key] = plan_row(row, compose_config)
             except Exception as e:  # a layout this trainer refuses (e.g. pipeline stages): a row without a plan
                 by_config[key] = e
             print(f"{row.id}: planned in {time.perf_counter() - start:.1f} s", file=sys.stderr)
@@ -172,7 +166,6 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     torch.set_num_threads(2)
     collect_rarely()  # as the planner's CLI plans
-    register_configs()
     args = sys.argv[1:]
     if "--evidence" in args:
         text = evidence()

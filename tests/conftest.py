@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from membudget.collector import collect_rarely
-from membudget.launch import register_configs
+from membudget.launch import compose_config
+from membudget.options import CONF_DIR
 
 # One intra-op thread, as the subprocesses get (OMP_NUM_THREADS in _CHILD_SETTINGS): the models here are tiny,
 # and on a machine whose cores are busy (pytest-xdist's other worker, a torchrun job's ranks, another user) a
@@ -38,7 +38,6 @@ from membudget.launch import register_configs
 THREADS = 1
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
 # Fast CPU settings: the same min-cut partitioner as inductor, without code generation.
 FAST_COMPILE = "compile.backend=aot_eager_decomp_partition"
 # A tiny run: the debug model, a few short steps, nothing but the run dir on disk.
@@ -71,19 +70,12 @@ def _key(override: str) -> str:
 
 def _is_group(override: str) -> bool:
     """An override that selects a config group's option (ac=full, +ac_point=budget_0.5): conf/ has its dir."""
-    return (CONF / _key(override)).is_dir()
-
-
-def hydra_compose(*overrides: str, hydra: bool = False):
-    """Hydra's compose of the whole command line, as train.py's: each call composes anew."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+    return (CONF_DIR / _key(override)).is_dir()
 
 
 @functools.lru_cache(maxsize=None)
 def _compose(overrides: tuple[str, ...], hydra: bool):
-    return hydra_compose(*overrides, hydra=hydra)
+    return compose_config(overrides, hydra=hydra)  # Hydra's compose of the whole command line
 
 
 def train_here(run_dir: Path, *overrides: str) -> dict:
@@ -125,8 +117,7 @@ def train_py_here(*args: str) -> None:
     dir and logger): a failed run raises (SystemExit, or the sweep's error)."""
     import train
 
-    # imported, not run as a script, train.py's relative config_path would name a module: give the dir
-    hydra_main_here(train.main, ["train.py", "--config-path", str(ROOT / "conf"), *args])
+    hydra_main_here(train.main, ["train.py", *args])
 
 
 def multirun_here(sweep: Path, *overrides: str) -> None:

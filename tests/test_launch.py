@@ -26,8 +26,9 @@ import pytest
 from membudget.errors import UserError
 from membudget.launch import (Launch, config_fingerprint, expand_hostlist, first_host, launch_from_env, run_name,
                               srun_port, srun_rendezvous, warn_if_unused_allocation)
+from membudget.options import CONF_DIR
 from membudget.schema import resolved
-from tests.conftest import CONF, ROOT, TINY, compose_cfg, read_metrics, subprocess_env, wait_until
+from tests.conftest import ROOT, TINY, compose_cfg, read_metrics, subprocess_env, wait_until
 
 SALLOC = {"SLURM_JOB_ID": "4711", "SLURM_NTASKS": "16", "SLURM_NODELIST": "gpu[01-02]",
           "SLURM_JOB_NODELIST": "gpu[01-02]"}
@@ -220,7 +221,7 @@ def test_local_launcher_slot_is_git_ignored_and_composes(tmp_path):
                              capture_output=True, text=True).stdout.split()
     assert ignored == [slot]
     (tmp_path / "hydra" / "launcher").mkdir(parents=True)
-    example = (CONF / "hydra" / "launcher" / "local.yaml.example").read_text()
+    example = (CONF_DIR / "hydra" / "launcher" / "local.yaml.example").read_text()
     (tmp_path / "hydra" / "launcher" / "local.yaml").write_text(example.replace("partition: gpu ", "partition: a100 "))
     cfg = compose_cfg("hydra/launcher=local", f"hydra.searchpath=[file://{tmp_path}]", "parallelism=fsdp",
                       hydra=True)

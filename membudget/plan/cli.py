@@ -66,10 +66,9 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from membudget.launch import register_configs
+    from membudget.options import CONF_DIR
 
-    conf = Path(__file__).resolve().parents[2] / "conf"  # the repository's, as train.py's
-
-    @hydra.main(version_base="1.3", config_path=str(conf), config_name="config")
+    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
     def plan_main(cfg) -> None:
         try:
             run(cfg, Path(HydraConfig.get().runtime.output_dir))

@@ -194,19 +194,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     import sys
 
     import torch
-    from hydra import compose, initialize_config_dir
 
-    from membudget.launch import register_configs
+    from membudget.launch import compose_config
 
     torch.set_num_threads(2)
-    register_configs()
-    conf = TABLE.parents[2] / "conf"
-
-    def compose_row(overrides):
-        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-            return compose("config", overrides=list(overrides))
-
-    print("\n".join(memory_lines(sys.argv[1:] if argv is None else argv, compose_row)))
+    print("\n".join(memory_lines(sys.argv[1:] if argv is None else argv, compose_config)))
 
 
 if __name__ == "__main__":
