@@ -28,9 +28,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import TINY, subprocess_env
+from tests.conftest import ROOT, TINY, subprocess_env
 
-REPO = Path(__file__).resolve().parents[1]
 PARTITION = "debug"
 JOB_DEADLINE_S = 120  # a job of a few seconds must be done (or failed) by then
 
@@ -198,8 +197,8 @@ STEPS = 40
 RUN = ["parallelism=fsdp", "logger=none", f"train.steps={STEPS}", "train.seq_len=64", "train.global_batch_size=4",
        "checkpoint.every_steps=1000", "train.max_grad_norm=1e20", "lr_schedule.warmup_steps=0",
        "parallelism.timeout_s=60"]
-SWEEP = [str(REPO / "train.py"), "-m", "hydra/launcher=slurm_local", *RUN, "optimizer.lr=3e-3,1e20"]
-REFERENCE = [sys.executable, str(REPO / "train.py"), *RUN, "optimizer.lr=3e-3"]  # job 0, as one srun step
+SWEEP = [str(ROOT / "train.py"), "-m", "hydra/launcher=slurm_local", *RUN, "optimizer.lr=3e-3,1e20"]
+REFERENCE = [sys.executable, str(ROOT / "train.py"), *RUN, "optimizer.lr=3e-3"]  # job 0, as one srun step
 LEAKED = {"MASTER_ADDR": "192.0.2.1", "MASTER_PORT": "29999"}  # TEST-NET-1: routes nowhere
 RUN_NAME = r"\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d-\d+"  # one process's run name: <date>/<time>-<pid>
 
@@ -319,7 +318,7 @@ def test_a_crashing_job_ends_the_sweep_with_an_error_naming_it(sweep):
 
 # --- one batch script of a 2-task job: plain python, and an srun step ------------------------------------------
 
-PLAIN = [sys.executable, str(REPO / "train.py"), *TINY, "train.steps=2", "parallelism.timeout_s=30"]
+PLAIN = [sys.executable, str(ROOT / "train.py"), *TINY, "train.steps=2", "parallelism.timeout_s=30"]
 
 
 @pytest.fixture(scope="module")
