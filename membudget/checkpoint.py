@@ -187,6 +187,19 @@ def all_finite(tensors) -> bool:
     return bool(torch.stack([torch.isfinite(t).all() for t in locals_]).all())
 
 
+def _checkpoints(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def saved_checkpoints(run_dir: Path) -> list[Path]:
+    """A run dir's checkpoint dirs (renamed into place, so not in flight), oldest first; not yet verified."""
+    where = _checkpoints(run_dir)
+    if not where.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in where.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
 class Checkpointer:
     """Saves and restores model, optimizer, LR scheduler, RNG states and the trainer's `extra` dict.
 
@@ -196,7 +209,7 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: Path, cfg, timeout_s: Optional[float] = None):
-        self.dir = Path(run_dir) / "checkpoints"
+        self.dir = _checkpoints(run_dir)
         self.cfg = cfg
         self.timeout_s = timeout_s or 1800  # the save's collectives (a stalled peer is named after it)
         self._group = None
@@ -238,11 +251,7 @@ class Checkpointer:
                             "choose a writable hydra.run.dir, or set checkpoint.enabled=false") from None
 
     def saved(self) -> list[Path]:
-        """The checkpoint dirs (renamed into place, so not in flight), oldest first; not yet verified."""
-        if not self.dir.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
-        return [p for _, p in sorted(found)]
+        return saved_checkpoints(self.dir.parent)
 
     def latest(self) -> Optional[Path]:
         """The newest checkpoint whose files match their manifest (read whole: for tests and tools)."""

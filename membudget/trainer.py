@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from membudget.ac import compiler_scope
-from membudget.checkpoint import Checkpointer, config_changes, save_seconds
+from membudget.checkpoint import Checkpointer, config_changes, save_seconds, saved_checkpoints
 from membudget.collector import scheduled_gc
 from membudget.data import (Prefetcher, TokenBatches, build_tokenizer, data_changes, data_fingerprint,
                             unpinned_hub_data, vocab_size_check)
@@ -354,10 +355,10 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     init_distributed(launch, device, cfg.parallelism.timeout_s)  # once per process: a multirun's jobs share it
     quiet_console(launch.is_main)
     if is_auto(cfg.ac):
-        chosen = _choose_setting(cfg, launch, device.type, stop)
+        chosen, inputs = _choose_setting(cfg, launch, device.type, stop, Path(run_dir))
         validate(cfg, launch.world_size)  # the choice too: e.g. full blocks compiled under TP
     else:
-        chosen = None
+        chosen = inputs = None
     _at("the check that every rank has the same config and data", None)
     data = data_fingerprint(cfg.data, cfg.tokenizer)
     if unpinned := unpinned_hub_data(cfg.data):
@@ -404,7 +405,7 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
         batches.load_state_dict(state["extra"]["data"])
     wandb_run = None
     if launch.is_main:
-        _write_plan(run_dir, chosen)
+        _write_plan(run_dir, chosen, inputs)
         wandb_run = init_wandb(cfg, run_dir, wandb_group, resume_id=state["extra"].get("wandb_id") if state else None)
     prefetcher = Prefetcher(batches, cfg.data.prefetch, pin=device.type == "cuda")
     stack.callback(prefetcher.close)
@@ -421,25 +422,35 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
 PLAN_WAIT_S = 3 * 3600
 
 
-def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals):
+def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals, run_dir: Path):
     """ac.memory_budget=auto or ac.blocks=auto: planned on fake tensors over a fake process group,
     for the kind of device this run trains on (train.device=auto on a machine without a GPU: the CPU's numerics).
     Several ranks: rank 0 plans, in a fresh interpreter (beside the joined process group the planner's fake one
     cannot be made), and every rank takes its answer, or its error; a planner process that a stop signal ended
-    with rank 0 (torchrun's and SLURM's SIGTERM reach both) stops every rank. Its plan."""
-    from membudget.plan import choose_setting, choose_setting_apart
+    with rank 0 (torchrun's and SLURM's SIGTERM reach both) stops every rank. A run that resumes keeps the choice
+    its run dir's plan.json holds where what auto chooses from is unchanged (_kept_choice), and plans that
+    setting alone. (its plan, the digest of what auto chose from: plan.auto_inputs; rank 0's, else None)."""
+    from membudget.plan import auto_inputs, choose_setting, choose_setting_apart
 
     key = auto_key(cfg.ac.mode)
-    log.info("ac.%s=auto: planning %s on fake tensors for %s%s", key,
-             "a policy per block" if key == "blocks" else f"the budgets {budget_list(cfg.plan.budgets)}",
-             "cuda" if device == "cuda" else "this CPU",
-             "" if launch.rank == 0 else " (rank 0 plans; this rank waits for its answer)")
+    inputs = kept = None
+    if launch.rank == 0:
+        inputs = auto_inputs(cfg, launch.world_size, device)
+        kept = _kept_choice(cfg, run_dir, key, inputs)
+    if kept is not None:
+        log.info("ac.%s=auto: keeping %s, the choice of this run's first start (%s, made from the same config, "
+                 "device and torch); planning it alone", key, kept, run_dir / "plan.json")
+    else:
+        log.info("ac.%s=auto: planning %s on fake tensors for %s%s", key,
+                 "a policy per block" if key == "blocks" else f"the budgets {budget_list(cfg.plan.budgets)}",
+                 "cuda" if device == "cuda" else "this CPU",
+                 "" if launch.rank == 0 else " (rank 0 plans; this rank waits for its answer)")
     if dist.is_initialized():
         outcome, failure = None, None
         if launch.rank == 0:
             try:
                 with stop.at_once():  # its planner process is ended with it
-                    outcome = ("ok", choose_setting_apart(cfg, launch.world_size, device))
+                    outcome = ("ok", choose_setting_apart(cfg, launch.world_size, device, kept))
             except _StopPlanning:
                 outcome = ("stopped", stop.received)
             except Exception as e:
@@ -461,13 +472,28 @@ def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals):
     else:
         try:
             with stop.at_once():
-                choice, plan = choose_setting(cfg, launch.world_size, device)
+                choice, plan = choose_setting(cfg, launch.world_size, device, kept=kept)
         except _StopPlanning:
             raise _planning_stopped(stop.received, f"while planning ac.{key}=auto") from None
     setattr(cfg.ac, key, choice)
     log.info("ac.%s=auto -> %s: %s%s", key, choice, plan.summary_line(),
              "" if launch.rank == 0 else " (rank 0's plan)")
-    return plan
+    return plan, inputs
+
+
+def _kept_choice(cfg, run_dir: Path, key: str, inputs: str):
+    """The choice of an earlier start of this run, which a resumed run keeps: from its plan.json, where that
+    start chose from the same auto_inputs (`inputs`) and left a checkpoint to resume (checkpoint.resume=auto).
+    A requeued job then neither re-plans every setting nor changes its AC setting midway. None otherwise."""
+    if cfg.checkpoint.resume != "auto" or not saved_checkpoints(run_dir):
+        return None
+    try:
+        written = json.loads((run_dir / "plan.json").read_text())
+    except (OSError, ValueError):  # none, or one cut short: choose again
+        return None
+    if not isinstance(written, dict) or written.get("auto_inputs") != inputs:
+        return None
+    return written.get("policies" if key == "blocks" else "memory_budget")
 
 
 def _stopped_by(signum: Optional[int], how: str) -> Stopped:
@@ -480,10 +506,11 @@ def _planning_stopped(signum: int, when: str) -> Stopped:
     return _stopped_by(signum, f" {when}, before anything was written")
 
 
-def _write_plan(run_dir: Path, plan) -> None:
-    """The plan auto chose, as `python -m membudget.plan` writes it (plan.md, plan.json): what the run's
-    measurements can be read against. None (a run not set to auto): an earlier start's plan, resumed here with
-    another AC setting, is removed, as it no longer says what runs."""
+def _write_plan(run_dir: Path, plan, inputs: Optional[str]) -> None:
+    """The plan auto chose, as `python -m membudget.plan` writes it (plan.md, plan.json, with the digest of what
+    it chose from, `inputs`, for a resumed run to keep it: _kept_choice): what the run's measurements can be read
+    against. None (a run not set to auto): an earlier start's plan, resumed here with another AC setting, is
+    removed, as it no longer says what runs."""
     from membudget.plan.report import plan_markdown
 
     if plan is None:
@@ -491,7 +518,7 @@ def _write_plan(run_dir: Path, plan) -> None:
             (run_dir / name).unlink(missing_ok=True)
         return
     for path, write, content in ((run_dir / "plan.md", write_text, plan_markdown(plan)),
-                                 (run_dir / "plan.json", write_json, plan.to_dict())):
+                                 (run_dir / "plan.json", write_json, {**plan.to_dict(), "auto_inputs": inputs})):
         try:
             write(path, content)
         except OSError as e:

@@ -122,6 +122,11 @@ def test_a_choice_that_does_not_fit_in_the_planner_process_is_its_own_line():
         choose_setting(cfg, 1, "cpu")
     assert str(apart.value) == str(here.value)
     assert "\n" not in str(apart.value) and "no budget fits" in str(apart.value)
+    # a resumed run's kept choice (trainer._kept_choice) reaches the child, which plans that setting alone
+    choice, plan = choose_setting_apart(cfg, 1, "cpu", kept=0.0)
+    assert choice == 0.0 and plan.memory_budget == 0.0
+    _, planned_here = choose_setting(cfg, 1, "cpu", kept=0.0)
+    assert (plan.activations, plan.peak) == (planned_here.activations, planned_here.peak)
 
 
 def test_a_run_not_set_to_auto_removes_the_plan_an_earlier_auto_start_wrote(tmp_path):
@@ -130,9 +135,9 @@ def test_a_run_not_set_to_auto_removes_the_plan_an_earlier_auto_start_wrote(tmp_
     from membudget.plan import plan_setting
     from membudget.trainer import _write_plan
 
-    _write_plan(tmp_path, plan_setting(compose_cfg(*TINY, "train.device=cpu")))
+    _write_plan(tmp_path, plan_setting(compose_cfg(*TINY, "train.device=cpu")), "its inputs' digest")
     assert (tmp_path / "plan.json").exists() and (tmp_path / "plan.md").exists()
-    _write_plan(tmp_path, None)
+    _write_plan(tmp_path, None, None)
     assert not list(tmp_path.iterdir())
 
 

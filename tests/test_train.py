@@ -121,12 +121,14 @@ def test_the_garbage_collector_runs_on_the_step_schedule_and_is_back_on_afterwar
         assert scheduled == [1, 1, 1], seen
 
 
+AUTO = ("ac=memory_budget", "ac.memory_budget=auto", FAST_COMPILE, "model.n_layers=2",
+        "plan.budgets=[0.0,0.5,1.0]")  # a short sweep: the whole one is test_plan_cli's
+
+
 @pytest.mark.slow
 def test_auto_budget_is_planned_logged_and_used(tmp_path, caplog):
     with caplog.at_level("INFO", logger="membudget"):
-        summary = train_here(tmp_path / "run", *TINY, "ac=memory_budget", "ac.memory_budget=auto",
-                             "ac.target_memory_gib=0.05", FAST_COMPILE, "model.n_layers=2",
-                             "plan.budgets=[0.0,0.5,1.0]")  # a short sweep: the whole one is test_plan_cli's
+        summary = train_here(tmp_path / "run", *TINY, *AUTO, "ac.target_memory_gib=0.05")
     chosen = summary["memory_budget"]
     assert chosen is not None and summary["ac_label"].startswith("memory_budget")
     # one of the three, or a mix of them per block: auto chooses among plan.budgets only
@@ -140,6 +142,43 @@ def test_auto_budget_is_planned_logged_and_used(tmp_path, caplog):
     assert summary["planned"]["peak_memory_bytes"] == plan["peak"] and summary["planned"]["verdict"] == "fits"
     assert plan["limit"] == int(0.05 * GiB) and plan["fits"]
     assert (tmp_path / "run" / "plan.md").read_text().startswith(f"# Plan: llama3_debug, {plan['label']}")
+
+    # resumed (a requeued job, a longer run): the first start's choice is kept, only its setting planned again
+    def start(*overrides):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="membudget"):
+            summary = train_here(tmp_path / "run", *TINY, *AUTO, *overrides)
+        return summary, [r.getMessage() for r in caplog.records if "ac.memory_budget=auto" in r.getMessage()]
+
+    resumed, said = start("ac.target_memory_gib=0.05", "train.steps=5")
+    assert said[0].startswith(f"ac.memory_budget=auto: keeping {chosen}, the choice of this run's first start")
+    assert not [line for line in said if "planning the budgets" in line]
+    assert resumed["memory_budget"] == chosen and resumed["planned"] == summary["planned"]
+    kept = json.loads((tmp_path / "run" / "plan.json").read_text())
+    varies = ("seconds", "device")  # planning time, and a CPU's memory: what the host has free just then
+    assert {k: v for k, v in kept.items() if k not in varies} == {k: v for k, v in plan.items() if k not in varies}
+    # what auto chooses from changed: it chooses again
+    _, said = start("ac.target_memory_gib=0.06", "train.steps=6")
+    assert "planning the budgets [0,0.5,1]" in said[0], said
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["auto_inputs"] != plan["auto_inputs"]
+
+
+def test_what_auto_chooses_from_is_the_planning_config_the_device_and_torch():
+    """auto_inputs, which a resumed run compares to keep its choice: the run's length, logging, checkpoints and
+    data leave it alone; what a plan reads changes it."""
+    from membudget.plan import auto_inputs
+    from tests.conftest import compose_cfg
+
+    base = ("ac=memory_budget", "ac.memory_budget=auto", "ac.target_memory_gib=1", "parallelism=fsdp")
+    digest = auto_inputs(compose_cfg(*base), 1, "cpu")
+    same = ("train.steps=99", "train.log_every=7", "logger=wandb", "checkpoint.every_steps=3", "data=synthetic",
+            "train.progress=off")
+    assert auto_inputs(compose_cfg(*base, *same), 1, "cpu") == digest
+    for other in (["ac.target_memory_gib=2"], ["train.seq_len=128"], ["plan.budgets=[0.0,1.0]"],
+                  ["compile.backend=aot_eager_decomp_partition"], ["train.max_grad_norm=0.5"]):
+        assert auto_inputs(compose_cfg(*base, *other), 1, "cpu") != digest, other
+    assert auto_inputs(compose_cfg(*base), 2, "cpu") != digest  # the world size
+    assert auto_inputs(compose_cfg(*base), 1, "cuda") != digest  # the device planned for
 
 
 def test_mfu_excludes_the_embedding_lookup():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import json
 import os
 import pickle
 import signal
@@ -12,8 +14,10 @@ import subprocess
 import sys
 from typing import Iterator, Optional
 
+import torch
+
 from membudget.errors import UserError
-from membudget.schema import Reshard, ac_label, auto_key, budget_list, is_auto
+from membudget.schema import Reshard, ac_label, auto_key, budget_list, is_auto, resolved
 from membudget.units import fmt_bytes
 
 from .blocks import best_single, choose_mix, single_budgets
@@ -102,18 +106,42 @@ def choose(plans: list[Plan]) -> Optional[Plan]:
 
 
 def choose_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None,
-                   planner: Optional[Planner] = None) -> tuple[object, Plan]:
+                   planner: Optional[Planner] = None, kept=None) -> tuple[object, Plan]:
     """For auto: the fastest setting whose reserved peak fits ac.target_memory_gib (default: the device's memory
     less plan.margin_gib); `device`: the one the run trains on (see Planner). ac.memory_budget=auto chooses among
     budgets, one or one per block; ac.blocks=auto a policy per block. UserError when none fits. The sweep and
-    the mixes are planned by one Planner (`planner`, as plan_sweep's)."""
+    the mixes are planned by one Planner (`planner`, as plan_sweep's). `kept`: a choice made before from the same
+    auto_inputs (a resumed run's), planned alone instead of choosing again."""
     policies = str(cfg.ac.mode) == "per_block"
     with _planning(cfg, world_size, device, planner) as planner:
+        if kept is not None:
+            return kept, planner.plan(chosen_point(planner, cfg, kept))
         plans = plan_sweep(cfg, references=policies, offload=policies, planner=planner)
         return choose_or_explain(plans, cfg, world_size, planner=planner)
 
 
-def choose_setting_apart(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> tuple[object, Plan]:
+# What no plan reads: the run's length and logging, checkpoints, the data (the probe's tokens are random)
+NOT_PLANNED = ("logger", "checkpoint", "diagnostics", "data", "tokenizer", "train.steps", "train.log_every",
+               "train.progress")
+
+
+def auto_inputs(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> str:
+    """A digest of everything auto's choice depends on: the config but NOT_PLANNED, the world size, the device
+    and the memory limit it is planned for (a CPU's: its available memory, unless ac.target_memory_gib), the
+    allocator, and torch's version. Equal digests choose alike; a resumed run whose digest is its first start's
+    keeps that start's choice (trainer)."""
+    planner = Planner(cfg, world_size, device)
+    config = resolved(cfg)
+    for key in NOT_PLANNED:
+        section, _, name = key.partition(".")
+        (config.get(section, {}) if name else config).pop(name or section, None)
+    facts = [config, planner.world_size, planner.device.name, planner.device.memory if planner.device.is_gpu
+             else None, planner.limit.nbytes, planner.expandable, torch.__version__]
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def choose_setting_apart(cfg, world_size: Optional[int] = None, device: Optional[str] = None,
+                         kept=None) -> tuple[object, Plan]:
     """choose_setting in a fresh interpreter (its torch import: about 3 s), for a process that has joined a real
     process group, beside which the planner's fake one cannot be made (rank 0 of a run over several ranks, which
     plans for all of them: trainer._choose_setting). Its warnings reach this process's stderr; its UserError is
@@ -121,7 +149,7 @@ def choose_setting_apart(cfg, world_size: Optional[int] = None, device: Optional
     # Ctrl-C ends the child as SIGTERM does, without a KeyboardInterrupt traceback: its parent says what stopped
     child = subprocess.run([sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL); "
                             "from membudget.plan.sweep import _choose_for_parent; _choose_for_parent()"],
-                           input=pickle.dumps((cfg, world_size, device)), stdout=subprocess.PIPE)
+                           input=pickle.dumps((cfg, world_size, device, kept)), stdout=subprocess.PIPE)
     if child.returncode != 0:
         how = (f"was ended by {_signal_name(-child.returncode)}" if child.returncode < 0
                else f"failed (exit status {child.returncode}, its error above)")
@@ -141,14 +169,14 @@ def _signal_name(signum: int) -> str:
 
 
 def _choose_for_parent() -> None:
-    """choose_setting_apart's child: (cfg, world_size, device) pickled on stdin, ("ok", (choice, plan)) or
+    """choose_setting_apart's child: (cfg, world_size, device, kept) pickled on stdin, ("ok", (choice, plan)) or
     ("error", its UserError's line) pickled on stdout."""
-    cfg, world_size, device = pickle.load(sys.stdin.buffer)
+    cfg, world_size, device, kept = pickle.load(sys.stdin.buffer)
     result = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever else writes to stdout (print, a C library) goes to stderr, not into the pickle
     sys.stdout = sys.stderr
     try:
-        outcome = ("ok", choose_setting(cfg, world_size, device))
+        outcome = ("ok", choose_setting(cfg, world_size, device, kept=kept))
     except UserError as e:
         outcome = ("error", str(e))
     with result:
