@@ -434,21 +434,26 @@ def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals, run_dir
 
     key = auto_key(cfg.ac.mode)
     inputs = kept = None
-    if launch.rank == 0:
+
+    def start() -> None:  # rank 0's: what auto chooses from, and whether a resumed run keeps its choice
+        nonlocal inputs, kept
         inputs = auto_inputs(cfg, launch.world_size, device)
         kept = _kept_choice(cfg, run_dir, key, inputs)
-    if kept is not None:
-        log.info("ac.%s=auto: keeping %s, the choice of this run's first start (%s, made from the same config, "
-                 "device and torch); planning it alone", key, kept, run_dir / "plan.json")
-    else:
-        log.info("ac.%s=auto: planning %s on fake tensors for %s%s", key,
-                 "a policy per block" if key == "blocks" else f"the budgets {budget_list(cfg.plan.budgets)}",
-                 "cuda" if device == "cuda" else "this CPU",
-                 "" if launch.rank == 0 else " (rank 0 plans; this rank waits for its answer)")
+        if kept is not None:
+            log.info("ac.%s=auto: keeping %s, the choice of this run's first start (%s, made from the same config, "
+                     "device and torch); planning it alone", key, kept, run_dir / "plan.json")
+        else:
+            log.info("ac.%s=auto: planning %s on fake tensors for %s", key,
+                     "a policy per block" if key == "blocks" else f"the budgets {budget_list(cfg.plan.budgets)}",
+                     "cuda" if device == "cuda" else "this CPU")
+
     if dist.is_initialized():
         outcome, failure = None, None
+        if launch.rank != 0:
+            log.info("ac.%s=auto: rank 0 plans; this rank waits for its answer", key)
         if launch.rank == 0:
             try:
+                start()
                 with stop.at_once():  # its planner process is ended with it
                     outcome = ("ok", choose_setting_apart(cfg, launch.world_size, device, kept))
             except _StopPlanning:
@@ -470,6 +475,7 @@ def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals, run_dir
             raise _planning_stopped(outcome[1], f"while rank 0 planned ac.{key}=auto")
         choice, plan = outcome[1]
     else:
+        start()
         try:
             with stop.at_once():
                 choice, plan = choose_setting(cfg, launch.world_size, device, kept=kept)
@@ -485,11 +491,11 @@ def _kept_choice(cfg, run_dir: Path, key: str, inputs: str):
     """The choice of an earlier start of this run, which a resumed run keeps: from its plan.json, where that
     start chose from the same auto_inputs (`inputs`) and left a checkpoint to resume (checkpoint.resume=auto).
     A requeued job then neither re-plans every setting nor changes its AC setting midway. None otherwise."""
-    if cfg.checkpoint.resume != "auto" or not saved_checkpoints(run_dir):
-        return None
     try:
+        if cfg.checkpoint.resume != "auto" or not saved_checkpoints(run_dir):
+            return None
         written = json.loads((run_dir / "plan.json").read_text())
-    except (OSError, ValueError):  # none, or one cut short: choose again
+    except (OSError, ValueError):  # none, one cut short, a dir it cannot read: choose again
         return None
     if not isinstance(written, dict) or written.get("auto_inputs") != inputs:
         return None

@@ -87,7 +87,7 @@ def test_an_auto_plan_that_cannot_be_written_is_one_line_and_leaves_no_half_file
     plan = plan_setting(compose_cfg(*TINY, "train.device=cpu"))
     _fill(tiny_disk, leave=0)
     with pytest.raises(UserError) as err:
-        _write_plan(tiny_disk, plan)
+        _write_plan(tiny_disk, plan, "its inputs' digest")
     message = str(err.value)
     assert "\n" not in message and str(tiny_disk / "plan.md") in message and "No space left" in message
     assert "free space, then rerun the same command" in message
