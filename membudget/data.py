@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
 import queue
 import re
@@ -36,6 +37,8 @@ from membudget.internals import no_datasets_download_counts
 from membudget.options import choices, option_for, options_setting
 from membudget.rules import check_global_batch
 from membudget.schema import DataConfig, DataName, TokenizerConfig, TokenizerName
+
+log = logging.getLogger("membudget")
 
 
 # --------------------------------------------------------------------------------------------- tokenizers
@@ -156,8 +159,9 @@ def vocab_size_check(tokenizer: Tokenizer, model_vocab_size: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- documents
 
-def iter_documents(cfg: DataConfig, start: int = 0) -> Iterator[str]:
-    """The dataset's documents in a fixed order, from the `start`-th on.
+def iter_documents(cfg: DataConfig, start: int = 0, resume: Optional[dict] = None) -> Iterator[str]:
+    """The dataset's documents in a fixed order, from the `start`-th on; `resume`: a streamed Hugging Face
+    dataset's position near it (HubDocuments.position), read from there instead of from its first document.
 
     Files, fields and the Hub are checked now; the documents themselves are streamed in batches through
     Hugging Face datasets (local files through its text builder): nothing is cached to disk, any size works.
@@ -180,7 +184,7 @@ def iter_documents(cfg: DataConfig, start: int = 0) -> Iterator[str]:
         files = _resolve_files(cfg.path, ".jsonl")
         return _read_first_now(_jsonl_documents(cfg, files, start))
     if cfg.name == DataName.hf:
-        return _hf_documents(cfg, start)
+        return _hf_documents(cfg, start, resume)
     raise UserError(f"data.name={cfg.name!r}: has no documents; choose one of {choices('data')}")
 
 
@@ -333,7 +337,7 @@ def _read_first_now(docs: Iterator[str]) -> Iterator[str]:
     return docs if first is None else chain([first], docs)
 
 
-def _hf_documents(cfg: DataConfig, start: int) -> Iterator[str]:
+def _hf_documents(cfg: DataConfig, start: int, resume: Optional[dict]) -> Iterator[str]:
     datasets = _datasets()
     hub_options = " or ".join(f"data={o}" for o in options_setting("data", "name", DataName.hf))
     if not cfg.hf_path:
@@ -356,18 +360,105 @@ def _hf_documents(cfg: DataConfig, start: int) -> Iterator[str]:
         raise UserError(f"{key}={value!r}: not found ({e}); point {key} at an existing dataset or file") from None
     if ds.features is not None and cfg.text_field not in ds.features:
         raise _field_error(cfg.text_field, f"the examples of {cfg.hf_path}", dict.fromkeys(ds.features))
-    return _read_first_now(_hf_texts(ds.skip(start), cfg, start))
+    if isinstance(ds, datasets.IterableDataset):
+        return HubDocuments(ds, cfg, start, resume)
+    return _read_first_now(_hf_texts(ds.skip(start), cfg, start))  # in memory: skip is a view
+
+
+# Documents formatted as Python (decoded as the dataset's features say) in batches: ~3x faster than one by one
+HF_BATCH = 256
 
 
 def _hf_texts(ds, cfg: DataConfig, start: int) -> Iterator[str]:
     n = start
-    # formatted as Python (decoded as the dataset's features say), in batches: ~3x faster than one by one
-    for batch in ds.select_columns([cfg.text_field]).with_format("python").iter(batch_size=256):
-        for text in batch[cfg.text_field]:
-            if not isinstance(text, str):
-                raise _field_error(cfg.text_field, f"example {n} of {cfg.hf_path}", {cfg.text_field: text})
+    for batch in ds.select_columns([cfg.text_field]).with_format("python").iter(batch_size=HF_BATCH):
+        for text in _checked_texts(batch[cfg.text_field], cfg, n):
             yield text
             n += 1
+
+
+def _checked_texts(texts: list, cfg: DataConfig, first: int) -> list:
+    for n, text in enumerate(texts, first):
+        if not isinstance(text, str):
+            raise _field_error(cfg.text_field, f"example {n} of {cfg.hf_path}", {cfg.text_field: text})
+    return texts
+
+
+class HubDocuments:
+    """A streamed Hugging Face dataset's documents from the `start`-th, which also says where each one lies in
+    the stream's own resumable position (`IterableDataset.state_dict`): a resumed run continues there, where
+    `skip` streamed every document before it again (for C4 or FineWeb far into a run, every shard before it
+    downloaded again before the first step). datasets restarts a position by reading its shard from the start, and
+    the shard before when the position lies in its shard's first table. The first document is read at once: a bad
+    first record fails before the run starts."""
+
+    def __init__(self, ds, cfg: DataConfig, start: int, resume: Optional[dict]):
+        self.cfg, self._ds = cfg, ds
+        self._pending: list[str] = []
+        if resume is not None and resume.get("doc", start + 1) <= start:
+            try:
+                self._open(resume["doc"], resume["state"])
+            except UserError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a position this datasets version cannot take: from the start
+                log.warning("data: could not resume the stream at its saved position (%s: %s); reading it from its "
+                            "first document to document %d", type(e).__name__, e, start)
+                self._open(0, None)
+        else:
+            self._open(0, None)
+        try:
+            while self._next < start:  # to `start`: inside its shard (a resume), or from the first document
+                self._read()
+            self._pending.append(self._read())
+        except StopIteration:
+            pass  # a stream that ends there: TokenBatches starts the next epoch, or says it has no text
+
+    def __iter__(self) -> "HubDocuments":
+        return self
+
+    def __next__(self) -> str:
+        return self._pending.pop() if self._pending else self._read()
+
+    def _open(self, doc: int, state: Optional[dict]) -> None:
+        """The stream from document `doc`, at the stream position `state` (None: its first document), with its
+        first batch read: a position it cannot take fails here."""
+        self._stream = self._ds.select_columns([self.cfg.text_field]).with_format("python")
+        if state is not None:
+            self._stream.load_state_dict(state)
+        self._next = doc  # the index of the next document the stream gives
+        # (the index of the first document after a batch boundary, the stream's position there): the batch being
+        # read starts at `_marks[0]`, the next one at `_marks[1]`
+        self._marks = [(doc, state)] * 2
+        self._batches = self._stream.iter(batch_size=HF_BATCH)
+        self._texts: Iterator[str] = iter(())
+        self._more()
+
+    def _more(self) -> bool:
+        """The stream's next batch into `_texts`; False at its end."""
+        try:
+            batch = next(self._batches)[self.cfg.text_field]
+        except StopIteration:
+            return False
+        # the stream's position now follows this batch (datasets updates it before handing the batch out)
+        self._marks = [self._marks[1], (self._marks[1][0] + len(batch), self._stream.state_dict())]
+        self._texts = iter(_checked_texts(batch, self.cfg, self._marks[0][0]))
+        return True
+
+    def _read(self) -> str:
+        text = next(self._texts, None)
+        while text is None:
+            if not self._more():
+                raise StopIteration
+            text = next(self._texts, None)
+        self._next += 1
+        return text
+
+    def position(self, doc: int) -> dict:
+        """Where document `doc` (one this reader gave last, or the one after it) lies: a stream position at or
+        before it, and that position's document index; iter_documents(..., start=doc, resume=this) continues
+        there."""
+        at, state = self._marks[1] if doc >= self._marks[1][0] else self._marks[0]
+        return {"doc": at, "state": state}
 
 
 # -------------------------------------------------------------------------------------------- fingerprint
@@ -516,13 +607,17 @@ class TokenBatches:
         self.load_state_dict({"step": 0, "epoch": 0, "doc": 0, "offset": 0})
 
     def state_dict(self) -> dict:
-        """Where the next batch starts: `offset` tokens into document `doc` of epoch `epoch`."""
-        return {"step": self.step, "epoch": self.epoch, "doc": self.doc, "offset": self.offset}
+        """Where the next batch starts: `offset` tokens into document `doc` of epoch `epoch`; for a streamed
+        Hugging Face dataset also the stream's position at or before that document (`hub`)."""
+        state = {"step": self.step, "epoch": self.epoch, "doc": self.doc, "offset": self.offset}
+        if isinstance(self._docs, HubDocuments):
+            state["hub"] = self._docs.position(self.doc)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.epoch, self.doc, self.offset = state["step"], state["epoch"], state["doc"], state["offset"]
         self._tokens: Optional[np.ndarray] = None  # tokens of document `doc`, read when first needed
-        self._open_reader()
+        self._open_reader(state.get("hub"))
 
     def __iter__(self) -> TokenBatches:
         return self
@@ -543,10 +638,11 @@ class TokenBatches:
         self.step += 1
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
-    def _open_reader(self) -> None:
+    def _open_reader(self, resume: Optional[dict] = None) -> None:
+        self._docs = None
         if self.cfg.name == DataName.synthetic:
             return
-        self._docs = iter_documents(self.cfg, start=self.doc)
+        self._docs = iter_documents(self.cfg, start=self.doc, resume=resume)
         # An epoch read from its first document that yields no token means the corpus has no text at all.
         self._from_epoch_start, self._epoch_tokens = self.doc == 0, 0
 

@@ -364,6 +364,39 @@ def test_resume_from_state_dict_gives_the_same_batches(tmp_path, name):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_a_streamed_hub_dataset_resumes_near_its_position_without_reading_the_stream_again(tmp_path, caplog):
+    """A streamed Hugging Face dataset (data=c4, fineweb_edu, or data=hf over local files) resumes from the
+    stream's own position saved with the batch position, where `skip` streamed every document before it again.
+    datasets restarts a position by reading its shard from the start, and the shard before where the position
+    lies in the shard's first table (a file's chunk of up to 10 MB); here, with one table per shard, breaking the
+    first of five shards once the runs are built leaves every resume from the fourth unchanged: the same batches,
+    at positions on the stream's batch boundaries and between them."""
+    shards = tmp_path / "hub"
+    shards.mkdir()
+    for s in range(5):
+        write_jsonl(shards / f"part{s}.jsonl", [{"text": f"s{s} d{i}"} for i in range(1000)])
+    cfg = DataConfig(name="hf", hf_path="json", hf_data_files=str(shards / "*.jsonl"))
+    make = lambda: TokenBatches(cfg, ByteTokenizer(), global_batch_size=2, seq_len=63, seed=0)  # noqa: E731
+    first, states, batches = make(), [], []
+    while len(states) < 5 or states[-5]["doc"] < 3400:  # into the fourth shard (documents 3000-3999)
+        states.append(json.loads(json.dumps(first.state_dict())))  # as a checkpoint holds it
+        batches.append(next(first))
+    # a position the installed datasets cannot take: read from the first document instead, with a warning
+    odd = make()
+    odd.load_state_dict({**states[-5], "hub": {"doc": 0, "state": {"not": "a state"}}})
+    assert torch.equal(next(odd)[0], batches[-5][0])
+    assert any("could not resume the stream" in r.getMessage() for r in caplog.records)
+    tried = [i for i, state in enumerate(states) if state["doc"] >= 3050][::4]
+    assert len(tried) >= 5 and len({states[i]["hub"]["doc"] for i in tried}) >= 2
+    runs = {i: make() for i in tried}  # each reads the first document as it starts (the trainer's check)
+    (shards / "part0.jsonl").write_text("not json\n" * 1000)
+    for i, resumed in runs.items():
+        resumed.load_state_dict(states[i])
+        for want in batches[i:i + 4]:
+            got = next(resumed)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), i
+
+
 def test_synthetic_is_seeded():
     def batches(seed):
         it = TokenBatches(DataConfig(name="synthetic"), ByteTokenizer(), 4, 16, seed=seed)
