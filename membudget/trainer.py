@@ -429,7 +429,7 @@ def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals, run_dir
     cannot be made), and every rank takes its answer, or its error; a planner process that a stop signal ended
     with rank 0 (torchrun's and SLURM's SIGTERM reach both) stops every rank. A run that resumes keeps the choice
     its run dir's plan.json holds where what auto chooses from is unchanged (_kept_choice), and plans that
-    setting alone. (its plan, the digest of what auto chose from: plan.auto_inputs; rank 0's, else None)."""
+    setting alone. (its plan, what auto chose from: plan.auto_inputs; rank 0's, else None)."""
     from membudget.plan import auto_inputs, choose_setting, choose_setting_apart
 
     key = auto_key(cfg.ac.mode)
@@ -487,17 +487,26 @@ def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals, run_dir
     return plan, inputs
 
 
-def _kept_choice(cfg, run_dir: Path, key: str, inputs: str):
+def _kept_choice(cfg, run_dir: Path, key: str, inputs: dict):
     """The choice of an earlier start of this run, which a resumed run keeps: from its plan.json, where that
     start chose from the same auto_inputs (`inputs`) and left a checkpoint to resume (checkpoint.resume=auto).
-    A requeued job then neither re-plans every setting nor changes its AC setting midway. None otherwise."""
+    A requeued job then neither re-plans every setting nor changes its AC setting midway. None otherwise; where
+    the inputs changed, the log says which."""
+    from membudget.plan import changed_inputs
+
     try:
         if cfg.checkpoint.resume != "auto" or not saved_checkpoints(run_dir):
             return None
         written = json.loads((run_dir / "plan.json").read_text())
     except (OSError, ValueError):  # none, one cut short, a dir it cannot read: choose again
         return None
-    if not isinstance(written, dict) or written.get("auto_inputs") != inputs:
+    before = written.get("auto_inputs") if isinstance(written, dict) else None
+    if not isinstance(before, dict):
+        return None
+    if before != inputs:
+        changes = changed_inputs(before, inputs)
+        log.info("ac.%s=auto: choosing again: what it chooses from changed since this run's earlier start (%s%s)",
+                 key, "; ".join(changes[:4]), f"; {len(changes) - 4} more" if len(changes) > 4 else "")
         return None
     return written.get("policies" if key == "blocks" else "memory_budget")
 
@@ -512,8 +521,8 @@ def _planning_stopped(signum: int, when: str) -> Stopped:
     return _stopped_by(signum, f" {when}, before anything was written")
 
 
-def _write_plan(run_dir: Path, plan, inputs: Optional[str]) -> None:
-    """The plan auto chose, as `python -m membudget.plan` writes it (plan.md, plan.json, with the digest of what
+def _write_plan(run_dir: Path, plan, inputs: Optional[dict]) -> None:
+    """The plan auto chose, as `python -m membudget.plan` writes it (plan.md, plan.json, with what
     it chose from, `inputs`, for a resumed run to keep it: _kept_choice): what the run's measurements can be read
     against. None (a run not set to auto): an earlier start's plan, resumed here with another AC setting, is
     removed, as it no longer says what runs."""

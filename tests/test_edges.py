@@ -87,7 +87,7 @@ def test_an_auto_plan_that_cannot_be_written_is_one_line_and_leaves_no_half_file
     plan = plan_setting(compose_cfg(*TINY, "train.device=cpu"))
     _fill(tiny_disk, leave=0)
     with pytest.raises(UserError) as err:
-        _write_plan(tiny_disk, plan, "its inputs' digest")
+        _write_plan(tiny_disk, plan, {"what": "auto chose from"})
     message = str(err.value)
     assert "\n" not in message and str(tiny_disk / "plan.md") in message and "No space left" in message
     assert "free space, then rerun the same command" in message
@@ -135,7 +135,7 @@ def test_a_run_not_set_to_auto_removes_the_plan_an_earlier_auto_start_wrote(tmp_
     from membudget.plan import plan_setting
     from membudget.trainer import _write_plan
 
-    _write_plan(tmp_path, plan_setting(compose_cfg(*TINY, "train.device=cpu")), "its inputs' digest")
+    _write_plan(tmp_path, plan_setting(compose_cfg(*TINY, "train.device=cpu")), {"what": "auto chose from"})
     assert (tmp_path / "plan.json").exists() and (tmp_path / "plan.md").exists()
     _write_plan(tmp_path, None, None)
     assert not list(tmp_path.iterdir())

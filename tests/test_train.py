@@ -157,9 +157,11 @@ def test_auto_budget_is_planned_logged_and_used(tmp_path, caplog):
     kept = json.loads((tmp_path / "run" / "plan.json").read_text())
     varies = ("seconds", "device")  # planning time, and a CPU's memory: what the host has free just then
     assert {k: v for k, v in kept.items() if k not in varies} == {k: v for k, v in plan.items() if k not in varies}
-    # what auto chooses from changed: it chooses again
+    # what auto chooses from changed: it says what, and chooses again
     _, said = start("ac.target_memory_gib=0.06", "train.steps=6")
-    assert "planning the budgets [0,0.5,1]" in said[0], said
+    assert said[0].startswith("ac.memory_budget=auto: choosing again: what it chooses from changed since this "
+                              "run's earlier start (ac.target_memory_gib: 0.05 -> 0.06; limit_bytes: "), said
+    assert "planning the budgets [0,0.5,1]" in said[1], said
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["auto_inputs"] != plan["auto_inputs"]
 
 
@@ -170,15 +172,15 @@ def test_what_auto_chooses_from_is_the_planning_config_the_device_and_torch():
     from tests.conftest import compose_cfg
 
     base = ("ac=memory_budget", "ac.memory_budget=auto", "ac.target_memory_gib=1", "parallelism=fsdp")
-    digest = auto_inputs(compose_cfg(*base), 1, "cpu")
+    inputs = auto_inputs(compose_cfg(*base), 1, "cpu")
     same = ("train.steps=99", "train.log_every=7", "logger=wandb", "checkpoint.every_steps=3", "data=synthetic",
-            "train.progress=off")
-    assert auto_inputs(compose_cfg(*base, *same), 1, "cpu") == digest
+            "train.progress=off", "parallelism.timeout_s=60")
+    assert auto_inputs(compose_cfg(*base, *same), 1, "cpu") == inputs
     for other in (["ac.target_memory_gib=2"], ["train.seq_len=128"], ["plan.budgets=[0.0,1.0]"],
                   ["compile.backend=aot_eager_decomp_partition"], ["train.max_grad_norm=0.5"]):
-        assert auto_inputs(compose_cfg(*base, *other), 1, "cpu") != digest, other
-    assert auto_inputs(compose_cfg(*base), 2, "cpu") != digest  # the world size
-    assert auto_inputs(compose_cfg(*base), 1, "cuda") != digest  # the device planned for
+        assert auto_inputs(compose_cfg(*base, *other), 1, "cpu") != inputs, other
+    assert auto_inputs(compose_cfg(*base), 2, "cpu") != inputs  # the world size
+    assert auto_inputs(compose_cfg(*base), 1, "cuda") != inputs  # the device planned for
 
 
 def test_mfu_excludes_the_embedding_lookup():

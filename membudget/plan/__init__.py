@@ -16,8 +16,8 @@ settings and chooses among them; `report` and `cli` write the plans.
 
 from .planner import Planner
 from .result import Plan
-from .sweep import (auto_inputs, choose, choose_or_explain, choose_setting, choose_setting_apart, plan_setting,
-                    plan_sweep)
+from .sweep import (auto_inputs, changed_inputs, choose, choose_or_explain, choose_setting, choose_setting_apart,
+                    plan_setting, plan_sweep)
 
-__all__ = ["Plan", "Planner", "auto_inputs", "choose", "choose_setting", "choose_setting_apart", "choose_or_explain",
+__all__ = ["Plan", "Planner", "auto_inputs", "changed_inputs", "choose", "choose_setting", "choose_setting_apart", "choose_or_explain",
            "plan_setting", "plan_sweep"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import os
 import pickle
@@ -17,7 +16,7 @@ from typing import Iterator, Optional
 import torch
 
 from membudget.errors import UserError
-from membudget.schema import Reshard, ac_label, auto_key, budget_list, is_auto, resolved
+from membudget.schema import Reshard, ac_label, auto_key, budget_list, flat_keys, is_auto, resolved
 from membudget.units import fmt_bytes
 
 from .blocks import best_single, choose_mix, single_budgets
@@ -120,24 +119,35 @@ def choose_setting(cfg, world_size: Optional[int] = None, device: Optional[str] 
         return choose_or_explain(plans, cfg, world_size, planner=planner)
 
 
-# What no plan reads: the run's length and logging, checkpoints, the data (the probe's tokens are random)
+# What no plan reads: the run's length and logging, checkpoints, the data (the probe's tokens are random), the
+# collectives' timeout
 NOT_PLANNED = ("logger", "checkpoint", "diagnostics", "data", "tokenizer", "train.steps", "train.log_every",
-               "train.progress")
+               "train.progress", "parallelism.timeout_s")
 
 
-def auto_inputs(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> str:
-    """A digest of everything auto's choice depends on: the config but NOT_PLANNED, the world size, the device
+def auto_inputs(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> dict:
+    """Everything auto's choice depends on, as plain data: the config but NOT_PLANNED, the world size, the device
     and the memory limit it is planned for (a CPU's: its available memory, unless ac.target_memory_gib), the
-    allocator, and torch's version. Equal digests choose alike; a resumed run whose digest is its first start's
+    allocator, and torch's version. Equal inputs choose alike; a resumed run whose inputs are its first start's
     keeps that start's choice (trainer)."""
     planner = Planner(cfg, world_size, device)
     config = resolved(cfg)
     for key in NOT_PLANNED:
         section, _, name = key.partition(".")
         (config.get(section, {}) if name else config).pop(name or section, None)
-    facts = [config, planner.world_size, planner.device.name, planner.device.memory if planner.device.is_gpu
-             else None, planner.limit.nbytes, planner.expandable, torch.__version__]
-    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    inputs = {"config": config, "world_size": planner.world_size, "device": planner.device.name,
+              "device_memory_bytes": planner.device.memory if planner.device.is_gpu else None,
+              "limit_bytes": planner.limit.nbytes, "expandable_segments": planner.expandable,
+              "torch": torch.__version__}
+    return json.loads(json.dumps(inputs, default=str))  # as plan.json holds them
+
+
+def changed_inputs(before: dict, now: dict) -> list[str]:
+    """What differs between two auto_inputs, as "key: before -> now" (the config's keys dotted, as overrides)."""
+    old, new = ({**flat_keys(i.get("config", {})), **{k: v for k, v in i.items() if k != "config"}}
+                for i in (before, now))
+    return [f"{key}: {old.get(key)} -> {new.get(key)}" for key in sorted(old.keys() | new.keys())
+            if old.get(key) != new.get(key)]
 
 
 def choose_setting_apart(cfg, world_size: Optional[int] = None, device: Optional[str] = None,
