@@ -19,6 +19,10 @@ import torch.nn.functional as F
 # dependency of torch on every platform).
 from torch.utils._pytree import tree_leaves  # noqa: F401
 
+# torch._dynamo.utils.counters: what torch.compile counted, inductor's and AOTAutograd's cache hits and misses
+# among them (the tests read it); torch has no public compile statistics.
+from torch._dynamo.utils import counters as compile_counters  # noqa: F401
+
 # torch._subclasses.fake_tensor: tensors with shapes, dtypes and storages but no memory, for the planner;
 # torch has no public fake-tensor mode.
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401

@@ -218,13 +218,18 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
+    """Write a text file atomically (write_bytes), UTF-8."""
+    write_bytes(path, text.encode())
+
+
+def write_bytes(path: Path, data: bytes) -> None:
     """Write a file atomically (a temporary file renamed over it): a crash or a full disk leaves the old file or
     the new one, never half of one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -26,9 +26,10 @@ log = logging.getLogger("membudget")
 
 LOCK = ".lock"
 ARCHIVE = "archived"
+COMPILE_CACHE = "compile_cache.bin"  # the run's compiled code (membudget.compile_cache)
 # What a run writes into its dir (Hydra's own .hydra/ and the log files belong to the current invocation).
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "wandb", "memory_budget_pareto", "profile",
-             "memory_snapshot.pickle")
+             "memory_snapshot.pickle", COMPILE_CACHE)
 
 
 class RunDirLock:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from membudget import compile_cache
 from membudget.ac import compiler_scope
 from membudget.checkpoint import Checkpointer, config_changes, save_seconds, saved_checkpoints
 from membudget.collector import scheduled_gc
@@ -410,6 +411,8 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     prefetcher = Prefetcher(batches, cfg.data.prefetch, pin=device.type == "cuda")
     stack.callback(prefetcher.close)
     rows = _kept_metrics(run_dir, state["extra"]["metrics_rows"] if state else 0, launch.is_main)
+    if compile_enabled(cfg):
+        compile_cache.load(run_dir)  # an earlier start's compiled code (a requeue on another node)
     return Run(cfg, run_dir, launch, device, mesh, shape, numerics, model, optimizer, scheduler, prefetcher,
                ActivationCounter(model), checkpointer, MetricsWriter(run_dir, wandb_run) if launch.is_main else None,
                wandb_run, data, start_step=state["step"] if state else 0, rows=rows,
@@ -727,6 +730,8 @@ def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnosti
             run.compile_s = time.perf_counter() - interval_start
             log.info("step %d with compilation took %.1f s; saved activations per block: %s", step, run.compile_s,
                      ", ".join(f"{b / MiB:.2f} MiB" for b in result.per_block))
+            if run.launch.is_main:
+                compile_cache.save(run.run_dir)  # for a later start of the run, wherever it lands
         if step % t.log_every == 0 or step == t.steps or stop_now or result.skipped:
             _sync(run.device)
             _at("the all-reduce of the metrics", step)

@@ -76,7 +76,7 @@ def test_default_run_learns(tmp_path):
 
 
 @pytest.mark.slow
-def test_readme_command_runs_as_typed_with_inductor(tmp_path):
+def test_readme_command_runs_as_typed_with_inductor(tmp_path, monkeypatch):
     """`python train.py ac=memory_budget ac.memory_budget=0.4`: compile turns on, and inductor honours the budget:
     the activations saved lie 0.4 of the way from full AC's (everything recomputed) to budget 1.0's (compiled,
     nothing recomputed). Budget 1.0 is compiled without code generation (aot_eager_decomp_partition: inductor's
@@ -91,6 +91,19 @@ def test_readme_command_runs_as_typed_with_inductor(tmp_path):
     assert saved["full"] < summary["activation_bytes"] < saved["1.0"], (summary["activation_bytes"], saved)
     share = (summary["activation_bytes"] - saved["full"]) / (saved["1.0"] - saved["full"])  # 0.3998 on torch 2.13
     assert share == pytest.approx(0.4, abs=0.05), share
+
+    # a later start of the run where its inductor cache is not (a requeue on another node) compiles from the code
+    # the first start kept in the run dir: inductor's graphs are cache hits only (AOTAutograd's own cache passes
+    # over graphs with saved-tensor hooks, as the activation counter's, so it traces again)
+    from membudget.internals import compile_counters
+
+    assert (tmp_path / "run" / "compile_cache.bin").is_file()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "another_node"))
+    compile_counters.clear()
+    resumed = train_here(tmp_path / "run", *TINY, "ac=memory_budget", "ac.memory_budget=0.4", "train.steps=3")
+    assert resumed["activation_bytes"] == summary["activation_bytes"]
+    hits, misses = (compile_counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss"))
+    assert hits >= 1 and not misses, dict(compile_counters)
 
 
 @pytest.mark.parametrize("every", [2, None])
