@@ -431,8 +431,8 @@ def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals, run_dir
     Several ranks: rank 0 plans, in a fresh interpreter (beside the joined process group the planner's fake one
     cannot be made), and every rank takes its answer, or its error; a planner process that a stop signal ended
     with rank 0 (torchrun's and SLURM's SIGTERM reach both) stops every rank. A run that resumes keeps the choice
-    its run dir's plan.json holds where what auto chooses from is unchanged (_kept_choice), and plans that
-    setting alone. (its plan, what auto chose from: plan.auto_inputs; rank 0's, else None)."""
+    and plan its run dir's plan.json holds where what auto chooses from is unchanged (_kept_choice), and plans
+    nothing. (its plan, what auto chose from: plan.auto_inputs; rank 0's, else None)."""
     from membudget.plan import auto_inputs, choose_setting, choose_setting_apart
 
     key = auto_key(cfg.ac.mode)
@@ -443,8 +443,8 @@ def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals, run_dir
         inputs = auto_inputs(cfg, launch.world_size, device)
         kept = _kept_choice(cfg, run_dir, key, inputs)
         if kept is not None:
-            log.info("ac.%s=auto: keeping %s, the choice of this run's first start (%s, made from the same config, "
-                     "device and torch); planning it alone", key, kept, run_dir / "plan.json")
+            log.info("ac.%s=auto: keeping %s, the choice of this run's first start, and its plan (%s, made from "
+                     "the same config, device and torch)", key, kept[0], run_dir / "plan.json")
         else:
             log.info("ac.%s=auto: planning %s on fake tensors for %s", key,
                      "a policy per block" if key == "blocks" else f"the budgets {budget_list(cfg.plan.budgets)}",
@@ -458,7 +458,7 @@ def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals, run_dir
             try:
                 start()
                 with stop.at_once():  # its planner process is ended with it
-                    outcome = ("ok", choose_setting_apart(cfg, launch.world_size, device, kept))
+                    outcome = ("ok", kept or choose_setting_apart(cfg, launch.world_size, device))
             except _StopPlanning:
                 outcome = ("stopped", stop.received)
             except Exception as e:
@@ -481,7 +481,7 @@ def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals, run_dir
         start()
         try:
             with stop.at_once():
-                choice, plan = choose_setting(cfg, launch.world_size, device, kept=kept)
+                choice, plan = kept or choose_setting(cfg, launch.world_size, device)
         except _StopPlanning:
             raise _planning_stopped(stop.received, f"while planning ac.{key}=auto") from None
     setattr(cfg.ac, key, choice)
@@ -491,11 +491,11 @@ def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals, run_dir
 
 
 def _kept_choice(cfg, run_dir: Path, key: str, inputs: dict):
-    """The choice of an earlier start of this run, which a resumed run keeps: from its plan.json, where that
-    start chose from the same auto_inputs (`inputs`) and left a checkpoint to resume (checkpoint.resume=auto).
-    A requeued job then neither re-plans every setting nor changes its AC setting midway. None otherwise; where
-    the inputs changed, the log says which."""
-    from membudget.plan import changed_inputs
+    """(the choice, its plan) of an earlier start of this run, which a resumed run keeps: from its plan.json,
+    where that start chose from the same auto_inputs (`inputs`) and left a checkpoint to resume
+    (checkpoint.resume=auto). A requeued job then neither plans again nor changes its AC setting midway. None
+    otherwise; where the inputs changed, the log says which."""
+    from membudget.plan import Plan, changed_inputs
 
     try:
         if cfg.checkpoint.resume != "auto" or not saved_checkpoints(run_dir):
@@ -511,7 +511,13 @@ def _kept_choice(cfg, run_dir: Path, key: str, inputs: dict):
         log.info("ac.%s=auto: choosing again: what it chooses from changed since this run's earlier start (%s%s)",
                  key, "; ".join(changes[:4]), f"; {len(changes) - 4} more" if len(changes) > 4 else "")
         return None
-    return written.get("policies" if key == "blocks" else "memory_budget")
+    try:
+        plan = Plan.from_dict(written)
+    except (TypeError, ValueError, KeyError) as e:  # a plan.json of another version: choose again
+        log.info("ac.%s=auto: choosing again: %s does not hold a plan this version reads (%s: %s)", key,
+                 run_dir / "plan.json", type(e).__name__, e)
+        return None
+    return (plan.policies if key == "blocks" else plan.memory_budget), plan
 
 
 def _stopped_by(signum: Optional[int], how: str) -> Stopped:

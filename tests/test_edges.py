@@ -122,10 +122,6 @@ def test_a_choice_that_does_not_fit_in_the_planner_process_is_its_own_line():
         choose_setting(cfg, 1, "cpu")
     assert str(apart.value) == str(here.value)
     assert "\n" not in str(apart.value) and "no budget fits" in str(apart.value)
-    # a resumed run's kept choice (trainer._kept_choice) reaches the child, which plans that setting alone
-    # (choosing, it would have raised the line above)
-    choice, plan = choose_setting_apart(cfg, 1, "cpu", kept=0.0)
-    assert choice == 0.0 and plan.memory_budget == 0.0 and plan.verdict == "does not fit"
 
 
 def test_a_run_not_set_to_auto_removes_the_plan_an_earlier_auto_start_wrote(tmp_path):

@@ -58,6 +58,18 @@ def test_one_setting_is_written_as_plan_json_and_md(tmp_path):
     assert result["device"]["reason"] == "plan.gpu=A100-40GB" and result["setting"]["attention"] == "flash"
     text = (tmp_path / "plan.md").read_text()
     assert "reserved peak (default allocator)" in text and "tokens/s per device" in text
+    # plan.json reads back as the plan it was (what a resumed auto run keeps: trainer._kept_choice), and one of
+    # another version (a field missing) is refused
+    from membudget.plan import Plan
+
+    written = json.loads((tmp_path / "plan.json").read_text())
+    kept = Plan.from_dict(written)
+    again = json.loads(json.dumps(kept.to_dict()))
+    assert again == {k: written[k] for k in again}  # (the CLI adds its own keys beside the plan's)
+    assert kept.summary_line() == plan_setting(compose_cfg(*SMALL, "ac=full", "train.device=cuda",
+                                                           "plan.gpu=A100-40GB", "plan.margin_gib=1")).summary_line()
+    with pytest.raises(TypeError):
+        Plan.from_dict({k: v for k, v in written.items() if k != "setting"})
 
 
 @pytest.mark.slow

@@ -156,7 +156,7 @@ def test_auto_budget_is_planned_logged_and_used(tmp_path, caplog):
     assert plan["limit"] == int(0.05 * GiB) and plan["fits"]
     assert (tmp_path / "run" / "plan.md").read_text().startswith(f"# Plan: llama3_debug, {plan['label']}")
 
-    # resumed (a requeued job, a longer run): the first start's choice is kept, only its setting planned again
+    # resumed (a requeued job, a longer run): the first start's choice and plan are kept, nothing is planned
     def start(*overrides):
         caplog.clear()
         with caplog.at_level("INFO", logger="membudget"):

@@ -4,8 +4,9 @@ and when they happen, the verdict against the device, and the predicted step tim
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from membudget.devices import Device
 from membudget.units import fmt_bytes
@@ -168,3 +169,34 @@ class Plan:
                     step_seconds=self.step_seconds, tokens_per_s=self.tokens_per_s,
                     tokens_per_s_per_device=self.tokens_per_s_per_device, recompute_ratio=self.recompute_ratio)
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        """The plan to_dict wrote (as JSON holds it: plan.json); its other keys are passed over. TypeError or
+        ValueError where it does not hold a plan of this version."""
+        return _from_plain(cls, data)
+
+
+def _from_plain(kind: Any, value: Any) -> Any:
+    """`value`, as dataclasses.asdict and JSON left it, as the type `kind` (a dataclass's field's): dataclasses,
+    Optional, lists, tuples and dicts with int keys again."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise TypeError(f"{kind.__name__}: expected an object, got {type(value).__name__}")
+        hints = typing.get_type_hints(kind)
+        return kind(**{f.name: _from_plain(hints[f.name], value[f.name]) for f in dataclasses.fields(kind)
+                       if f.init and f.name in value})
+    if origin is Union:
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _from_plain(inner[0], value) if len(inner) == 1 else value
+    if origin is list:
+        return [_from_plain(args[0], v) for v in value]
+    if origin is tuple:
+        return tuple(value)
+    if origin is dict:
+        key, item = args
+        return {(int(k) if key is int else k): _from_plain(item, v) for k, v in value.items()}
+    return value

@@ -105,16 +105,13 @@ def choose(plans: list[Plan]) -> Optional[Plan]:
 
 
 def choose_setting(cfg, world_size: Optional[int] = None, device: Optional[str] = None,
-                   planner: Optional[Planner] = None, kept=None) -> tuple[object, Plan]:
+                   planner: Optional[Planner] = None) -> tuple[object, Plan]:
     """For auto: the fastest setting whose reserved peak fits ac.target_memory_gib (default: the device's memory
     less plan.margin_gib); `device`: the one the run trains on (see Planner). ac.memory_budget=auto chooses among
     budgets, one or one per block; ac.blocks=auto a policy per block. UserError when none fits. The sweep and
-    the mixes are planned by one Planner (`planner`, as plan_sweep's). `kept`: a choice made before from the same
-    auto_inputs (a resumed run's), planned alone instead of choosing again."""
+    the mixes are planned by one Planner (`planner`, as plan_sweep's)."""
     policies = str(cfg.ac.mode) == "per_block"
     with _planning(cfg, world_size, device, planner) as planner:
-        if kept is not None:
-            return kept, planner.plan(chosen_point(planner, cfg, kept))
         plans = plan_sweep(cfg, references=policies, offload=policies, planner=planner)
         return choose_or_explain(plans, cfg, world_size, planner=planner)
 
@@ -150,8 +147,7 @@ def changed_inputs(before: dict, now: dict) -> list[str]:
             if old.get(key) != new.get(key)]
 
 
-def choose_setting_apart(cfg, world_size: Optional[int] = None, device: Optional[str] = None,
-                         kept=None) -> tuple[object, Plan]:
+def choose_setting_apart(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> tuple[object, Plan]:
     """choose_setting in a fresh interpreter (its torch import: about 3 s), for a process that has joined a real
     process group, beside which the planner's fake one cannot be made (rank 0 of a run over several ranks, which
     plans for all of them: trainer._choose_setting). Its warnings reach this process's stderr; its UserError is
@@ -159,7 +155,7 @@ def choose_setting_apart(cfg, world_size: Optional[int] = None, device: Optional
     # Ctrl-C ends the child as SIGTERM does, without a KeyboardInterrupt traceback: its parent says what stopped
     child = subprocess.run([sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL); "
                             "from membudget.plan.sweep import _choose_for_parent; _choose_for_parent()"],
-                           input=pickle.dumps((cfg, world_size, device, kept)), stdout=subprocess.PIPE)
+                           input=pickle.dumps((cfg, world_size, device)), stdout=subprocess.PIPE)
     if child.returncode != 0:
         how = (f"was ended by {_signal_name(-child.returncode)}" if child.returncode < 0
                else f"failed (exit status {child.returncode}, its error above)")
@@ -179,14 +175,14 @@ def _signal_name(signum: int) -> str:
 
 
 def _choose_for_parent() -> None:
-    """choose_setting_apart's child: (cfg, world_size, device, kept) pickled on stdin, ("ok", (choice, plan)) or
+    """choose_setting_apart's child: (cfg, world_size, device) pickled on stdin, ("ok", (choice, plan)) or
     ("error", its UserError's line) pickled on stdout."""
-    cfg, world_size, device, kept = pickle.load(sys.stdin.buffer)
+    cfg, world_size, device = pickle.load(sys.stdin.buffer)
     result = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever else writes to stdout (print, a C library) goes to stderr, not into the pickle
     sys.stdout = sys.stderr
     try:
-        outcome = ("ok", choose_setting(cfg, world_size, device, kept=kept))
+        outcome = ("ok", choose_setting(cfg, world_size, device))
     except UserError as e:
         outcome = ("error", str(e))
     with result:
