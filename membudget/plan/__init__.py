@@ -19,5 +19,5 @@ from .result import Plan
 from .sweep import (auto_inputs, changed_inputs, choose, choose_or_explain, choose_setting, choose_setting_apart,
                     plan_setting, plan_sweep)
 
-__all__ = ["Plan", "Planner", "auto_inputs", "changed_inputs", "choose", "choose_setting", "choose_setting_apart", "choose_or_explain",
-           "plan_setting", "plan_sweep"]
+__all__ = ["Plan", "Planner", "auto_inputs", "changed_inputs", "choose", "choose_setting", "choose_setting_apart",
+           "choose_or_explain", "plan_setting", "plan_sweep"]
