@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from membudget.internals import compile_artifacts
 from membudget.metrics import write_bytes
 from membudget.rundir import COMPILE_CACHE
 
@@ -19,17 +20,28 @@ log = logging.getLogger("membudget")
 
 
 def load(run_dir: Path) -> None:
-    """Before the first compile: an earlier start's artifacts into this process's caches; one that does not load
-    is skipped with a warning (the run compiles)."""
+    """Before the first compile: this process's record of compiled code starts anew, so that the run saves its own
+    code only (not every earlier job's of a multirun in one process), and an earlier start's artifacts go into this
+    process's caches. A file torch cannot read is one warning (the run compiles), not torch's traceback."""
+    compile_artifacts.clear()
     path = Path(run_dir) / COMPILE_CACHE
     if not path.is_file():
         return
+    torch_log = logging.getLogger(compile_artifacts.__module__)  # where torch logs a file it cannot read
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)  # its warning is a traceback; ours below says what happens instead
     try:
         info = torch.compiler.load_cache_artifacts(path.read_bytes())
-    except Exception as e:  # noqa: BLE001 - another torch's or a damaged file: compile as without it
-        log.warning("%s: could not load it (%s: %s); compiling", path, type(e).__name__, e)
+    except Exception as e:  # noqa: BLE001 - an unreadable file: compile as without it
+        info, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = "torch cannot read it: damaged"
+    finally:
+        torch_log.setLevel(level)
+    if info is None:
+        log.warning("%s: could not load it (%s); compiling", path, why)
         return
-    found = sum(len(keys) for keys in info.artifacts.values()) if info is not None else 0
+    found = sum(len(keys) for keys in info.artifacts.values())
     log.info("compiled code of this run's earlier start loaded from %s: %d artifacts", path, found)
 
 

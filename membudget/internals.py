@@ -23,6 +23,11 @@ from torch.utils._pytree import tree_leaves  # noqa: F401
 # among them (the tests read it); torch has no public compile statistics.
 from torch._dynamo.utils import counters as compile_counters  # noqa: F401
 
+# torch.compiler._cache.CacheArtifactManager: what this process's compiles recorded, the content of
+# torch.compiler.save_cache_artifacts; its clear() starts a new record for a run that follows another in one
+# process (a multirun's next job), which torch.compiler has no public call for.
+from torch.compiler._cache import CacheArtifactManager as compile_artifacts  # noqa: F401
+
 # torch._subclasses.fake_tensor: tensors with shapes, dtypes and storages but no memory, for the planner;
 # torch has no public fake-tensor mode.
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401

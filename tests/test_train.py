@@ -3,6 +3,7 @@ and train.log say while a run goes; the default run learns; the README's inducto
 
 import gc
 import json
+import logging
 import math
 
 import pytest
@@ -98,12 +99,28 @@ def test_readme_command_runs_as_typed_with_inductor(tmp_path, monkeypatch):
     from membudget.internals import compile_counters
 
     assert (tmp_path / "run" / "compile_cache.bin").is_file()
+    # the process's next run compiled nothing inductor keeps (aot_eager), so it kept no earlier run's code either
+    assert not (tmp_path / "1.0" / "compile_cache.bin").exists()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "another_node"))
     compile_counters.clear()
     resumed = train_here(tmp_path / "run", *TINY, "ac=memory_budget", "ac.memory_budget=0.4", "train.steps=3")
     assert resumed["activation_bytes"] == summary["activation_bytes"]
     hits, misses = (compile_counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss"))
     assert hits >= 1 and not misses, dict(compile_counters)
+
+
+def test_a_compile_cache_torch_cannot_read_is_one_warning(tmp_path, caplog, capfd):
+    """A damaged compile_cache.bin in a resumed run's dir: one line says so and that the run compiles, in place of
+    torch's traceback."""
+    from membudget import compile_cache
+
+    path = tmp_path / "compile_cache.bin"
+    path.write_bytes(b"not what torch.compiler.save_cache_artifacts writes")
+    with caplog.at_level(logging.INFO, logger="membudget"):
+        compile_cache.load(tmp_path)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", f"{path}: could not load it (torch cannot read it: damaged); compiling")]
+    assert "Traceback" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("every", [2, None])
