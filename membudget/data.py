@@ -1,7 +1,7 @@
 """Tokenizers, document sources and the packed, resumable, data-parallel token batches.
 
     build_tokenizer(cfg.tokenizer)            -> a Tokenizer (bytes, or Llama 3's tiktoken BPE)
-    iter_documents(cfg.data)                  -> document strings (pydoc, text, jsonl or a Hugging Face dataset)
+    Documents(cfg.data).read()                -> document strings (pydoc, text, jsonl or a Hugging Face dataset)
     TokenBatches(cfg.data, tokenizer, ...)    -> (inputs, labels) for this data-parallel rank, step after step
     Prefetcher(batches, depth)                -> the same batches, prepared ahead in a background thread
     data_fingerprint(cfg.data, cfg.tokenizer) -> what the run reads, to compare with a checkpoint's or a rank's
@@ -159,33 +159,51 @@ def vocab_size_check(tokenizer: Tokenizer, model_vocab_size: int) -> None:
 
 # ---------------------------------------------------------------------------------------------- documents
 
-def iter_documents(cfg: DataConfig, start: int = 0, resume: Optional[dict] = None) -> Iterator[str]:
-    """The dataset's documents in a fixed order, from the `start`-th on; `resume`: a streamed Hugging Face
-    dataset's position near it (HubDocuments.position), read from there instead of from its first document.
+class Documents:
+    """A dataset's documents in a fixed order, opened once: local files are listed and a Hugging Face dataset is
+    loaded (and its text field checked) when it is built; `read` gives them from any document on, as often as the
+    batches need (the trainer's check of the first batch, a resume, each epoch). Each rank of a job loads its Hub
+    dataset once, not at every reread: every load_dataset is requests to the Hub, which answers a job's ranks
+    loading at once with HTTP 429 (torchtitan issue #2239, datasets issue #7506).
 
-    Files, fields and the Hub are checked now; the documents themselves are streamed in batches through
-    Hugging Face datasets (local files through its text builder): nothing is cached to disk, any size works.
-    text: each .txt file is one document. jsonl: each non-blank line is one JSON object, its text_field one
-    document.
+    The documents themselves are streamed in batches through Hugging Face datasets (local files through its text
+    builder): nothing is cached to disk, any size works. text: each .txt file is one document. jsonl: each non-blank
+    line is one JSON object, its text_field one document.
     """
-    if cfg.name == DataName.pydoc:
-        # The English docs that ship inside CPython: ~0.5 MB of text, present offline.
-        from pydoc_data.topics import topics
 
-        return (topics[key] for key in sorted(topics)[start:])
-    if cfg.name == DataName.text:
-        files = _resolve_files(cfg.path, ".txt")
-        # one document per file: a resume starts at its file, without reading the files before it
-        return _text_documents(cfg, files[start:])
-    if cfg.name == DataName.jsonl:
-        # Lines through the text builder, JSON parsed here: the json builder casts every 10 MB chunk to the
-        # columns of the first one, so a record with one more field anywhere later (a new key in a metadata
-        # dict) fails the whole corpus (datasets issue #6162). Only text_field matters here.
-        files = _resolve_files(cfg.path, ".jsonl")
-        return _read_first_now(_jsonl_documents(cfg, files, start))
-    if cfg.name == DataName.hf:
-        return _hf_documents(cfg, start, resume)
-    raise UserError(f"data.name={cfg.name!r}: has no documents; choose one of {choices('data')}")
+    def __init__(self, cfg: DataConfig):
+        self.cfg = cfg
+        if cfg.name == DataName.pydoc:
+            # The English docs that ship inside CPython: ~0.5 MB of text, present offline.
+            from pydoc_data.topics import topics
+
+            self._topics = [topics[key] for key in sorted(topics)]
+        elif cfg.name == DataName.text:
+            self._files = _resolve_files(cfg.path, ".txt")
+        elif cfg.name == DataName.jsonl:
+            self._files = _resolve_files(cfg.path, ".jsonl")
+        elif cfg.name == DataName.hf:
+            self._ds = _load_hf(cfg)
+        else:
+            raise UserError(f"data.name={cfg.name!r}: has no documents; choose one of {choices('data')}")
+
+    def read(self, start: int = 0, resume: Optional[dict] = None) -> Iterator[str]:
+        """The documents from the `start`-th on; `resume`: a streamed Hugging Face dataset's position near it
+        (HubDocuments.position), read from there instead of from its first document."""
+        cfg = self.cfg
+        if cfg.name == DataName.pydoc:
+            return iter(self._topics[start:])
+        if cfg.name == DataName.text:
+            # one document per file: a resume starts at its file, without reading the files before it
+            return _text_documents(cfg, self._files[start:])
+        if cfg.name == DataName.jsonl:
+            # Lines through the text builder, JSON parsed here: the json builder casts every 10 MB chunk to the
+            # columns of the first one, so a record with one more field anywhere later (a new key in a metadata
+            # dict) fails the whole corpus (datasets issue #6162). Only text_field matters here.
+            return _read_first_now(_jsonl_documents(cfg, self._files, start))
+        if isinstance(self._ds, _datasets().IterableDataset):
+            return HubDocuments(self._ds, cfg, start, resume)
+        return _read_first_now(_hf_texts(self._ds.skip(start), cfg, start))  # in memory: skip is a view
 
 
 def _resolve_files(path: Optional[str], suffix: str) -> list[str]:
@@ -337,7 +355,8 @@ def _read_first_now(docs: Iterator[str]) -> Iterator[str]:
     return docs if first is None else chain([first], docs)
 
 
-def _hf_documents(cfg: DataConfig, start: int, resume: Optional[dict]) -> Iterator[str]:
+def _load_hf(cfg: DataConfig):
+    """The Hugging Face dataset data.hf_* name (streamed or in memory), its text field checked."""
     datasets = _datasets()
     hub_options = " or ".join(f"data={o}" for o in options_setting("data", "name", DataName.hf))
     if not cfg.hf_path:
@@ -360,9 +379,7 @@ def _hf_documents(cfg: DataConfig, start: int, resume: Optional[dict]) -> Iterat
         raise UserError(f"{key}={value!r}: not found ({e}); point {key} at an existing dataset or file") from None
     if ds.features is not None and cfg.text_field not in ds.features:
         raise _field_error(cfg.text_field, f"the examples of {cfg.hf_path}", dict.fromkeys(ds.features))
-    if isinstance(ds, datasets.IterableDataset):
-        return HubDocuments(ds, cfg, start, resume)
-    return _read_first_now(_hf_texts(ds.skip(start), cfg, start))  # in memory: skip is a view
+    return ds
 
 
 # Documents formatted as Python (decoded as the dataset's features say) in batches: ~3x faster than one by one
@@ -455,7 +472,7 @@ class HubDocuments:
 
     def position(self, doc: int) -> dict:
         """Where document `doc` (one this reader gave last, or the one after it) lies: a stream position at or
-        before it, and that position's document index; iter_documents(..., start=doc, resume=this) continues
+        before it, and that position's document index; Documents.read(start=doc, resume=this) continues
         there."""
         at, state = self._marks[1] if doc >= self._marks[1][0] else self._marks[0]
         return {"doc": at, "state": state}
@@ -604,6 +621,7 @@ class TokenBatches:
         self.global_batch_size, self.seq_len, self.seed = global_batch_size, seq_len, seed
         local = global_batch_size // dp_size
         self.rows = slice(dp_rank * local, (dp_rank + 1) * local)
+        self._documents = None if cfg.name == DataName.synthetic else Documents(cfg)
         self.load_state_dict({"step": 0, "epoch": 0, "doc": 0, "offset": 0})
 
     def state_dict(self) -> dict:
@@ -640,9 +658,9 @@ class TokenBatches:
 
     def _open_reader(self, resume: Optional[dict] = None) -> None:
         self._docs = None
-        if self.cfg.name == DataName.synthetic:
+        if self._documents is None:  # synthetic
             return
-        self._docs = iter_documents(self.cfg, start=self.doc, resume=resume)
+        self._docs = self._documents.read(start=self.doc, resume=resume)
         # An epoch read from its first document that yields no token means the corpus has no text at all.
         self._from_epoch_start, self._epoch_tokens = self.doc == 0, 0
 

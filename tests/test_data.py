@@ -15,10 +15,10 @@ import membudget.data
 from membudget.data import (
     LLAMA3_SPECIAL_TOKENS,
     ByteTokenizer,
+    Documents,
     Prefetcher,
     TokenBatches,
     build_tokenizer,
-    iter_documents,
     unpinned_hub_data,
     vocab_size_check,
 )
@@ -130,9 +130,9 @@ def test_pydoc_is_the_default():
     from pydoc_data.topics import topics
 
     assert DataConfig().name == "pydoc"
-    docs = list(iter_documents(DataConfig()))
+    docs = list(Documents(DataConfig()).read())
     assert docs == [topics[k] for k in sorted(topics)]
-    assert list(iter_documents(DataConfig(), start=3)) == docs[3:]
+    assert list(Documents(DataConfig()).read(start=3)) == docs[3:]
 
 
 def test_pydoc_and_synthetic_never_import_datasets(tmp_path, monkeypatch):
@@ -146,7 +146,7 @@ def test_pydoc_and_synthetic_never_import_datasets(tmp_path, monkeypatch):
         batches = data.TokenBatches(DataConfig(name=name), data.ByteTokenizer(), 2, 16, seed=0)
         assert next(batches)[0].shape == next(batches)[0].shape == (2, 16)
     with pytest.raises(ImportError):  # the check can fail: reading files does need datasets
-        list(data.iter_documents(DataConfig(name="text", path=str(write_docs(tmp_path, ["text"])))))
+        list(data.Documents(DataConfig(name="text", path=str(write_docs(tmp_path, ["text"])))).read())
 
 
 def test_text_file_directory_and_glob(tmp_path):
@@ -155,11 +155,11 @@ def test_text_file_directory_and_glob(tmp_path):
     (corpus / "sub" / "z.txt").write_text("gamma")
     (corpus / "sub" / "z[1].txt").write_text("delta")  # datasets would read "[1]" as a glob class
     (corpus / "notes.md").write_text("not a .txt file")
-    assert list(iter_documents(DataConfig(name="text", path=str(corpus / "000_docs.txt")))) == ["alpha"]
-    assert list(iter_documents(DataConfig(name="text", path=str(corpus)))) == ["alpha", "beta", "gamma", "delta"]
-    assert list(iter_documents(DataConfig(name="text", path=str(corpus / "*.txt")))) == ["alpha", "beta"]
-    assert list(iter_documents(DataConfig(name="text", path=str(corpus)), start=1)) == ["beta", "gamma", "delta"]
-    assert list(iter_documents(DataConfig(name="text", path=str(corpus)), start=4)) == []
+    assert list(Documents(DataConfig(name="text", path=str(corpus / "000_docs.txt"))).read()) == ["alpha"]
+    assert list(Documents(DataConfig(name="text", path=str(corpus))).read()) == ["alpha", "beta", "gamma", "delta"]
+    assert list(Documents(DataConfig(name="text", path=str(corpus / "*.txt"))).read()) == ["alpha", "beta"]
+    assert list(Documents(DataConfig(name="text", path=str(corpus))).read(start=1)) == ["beta", "gamma", "delta"]
+    assert list(Documents(DataConfig(name="text", path=str(corpus))).read(start=4)) == []
 
 
 def test_jsonl_files(tmp_path):
@@ -168,9 +168,9 @@ def test_jsonl_files(tmp_path):
     (tmp_path / "b.jsonl").write_bytes(b'\xef\xbb\xbf{"body": "three"}\n\n  \n'  # a BOM, a blank line
                                        b'{"body": "caf\xe9", "meta": {"x": [1]}}\r\n')
     cfg = DataConfig(name="jsonl", path=str(tmp_path), text_field="body")
-    assert list(iter_documents(cfg)) == ["one", "two", "three", "caf\ufffd"]  # bytes that are not UTF-8: U+FFFD
-    assert list(iter_documents(cfg, start=2)) == ["three", "caf\ufffd"]
-    assert list(iter_documents(cfg, start=4)) == []
+    assert list(Documents(cfg).read()) == ["one", "two", "three", "caf\ufffd"]  # bytes that are not UTF-8: U+FFFD
+    assert list(Documents(cfg).read(start=2)) == ["three", "caf\ufffd"]
+    assert list(Documents(cfg).read(start=4)) == []
     # streamed: nothing but lock files in datasets' cache
     assert [p.name for p in (tmp_path / "hf_cache").rglob("*") if not p.name.endswith(".lock")] == []
 
@@ -179,11 +179,11 @@ def test_jsonl_files(tmp_path):
 def test_hf_json_builder_on_local_file(tmp_path, streaming):
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"doc {i}"} for i in range(4)])
     cfg = DataConfig(name="hf", hf_path="json", hf_data_files=data, streaming=streaming)
-    assert list(iter_documents(cfg)) == [f"doc {i}" for i in range(4)]
-    assert list(iter_documents(cfg, start=3)) == ["doc 3"]
+    assert list(Documents(cfg).read()) == [f"doc {i}" for i in range(4)]
+    assert list(Documents(cfg).read(start=3)) == ["doc 3"]
     # a revision reaches load_dataset, which a builder of local files ignores
     cfg.hf_revision = "v1"
-    assert list(iter_documents(cfg, start=3)) == ["doc 3"]
+    assert list(Documents(cfg).read(start=3)) == ["doc 3"]
 
 
 def test_a_hub_dataset_read_at_no_revision_is_named_with_the_fix():
@@ -202,13 +202,13 @@ def test_hf_without_network_is_a_user_error(monkeypatch):
     # What a run here sees after its retries, at once: the Hub cannot be reached.
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    message = one_line_error("data.hf_path='allenai/c4'", iter_documents, DataConfig(name="hf", hf_path="allenai/c4",
+    message = one_line_error("data.hf_path='allenai/c4'", Documents, DataConfig(name="hf", hf_path="allenai/c4",
                                                                                       hf_name="en"))
     assert "no network" in message and "HF_DATASETS_OFFLINE" in message
 
 
 def dataset_error_cases(tmp_path):
-    """(key, what the message must say, config) for every bad dataset: each fails in iter_documents."""
+    """(key, what the message must say, config) for every bad dataset: each fails in Documents."""
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "emptydir").mkdir()
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n\n{"text": oops\n')
@@ -249,7 +249,7 @@ def dataset_error_cases(tmp_path):
 
 def test_dataset_errors_name_the_key(tmp_path):
     for key, detail, cfg in dataset_error_cases(tmp_path):
-        message = one_line_error(key, lambda: list(iter_documents(cfg)))
+        message = one_line_error(key, lambda: list(Documents(cfg).read()))
         assert repr(getattr(cfg, key.split(".")[1])) in message and detail in message, message
 
 
@@ -269,11 +269,11 @@ def test_every_suggested_override_composes(tmp_path, monkeypatch):
 
     messages = []
     for key, _, cfg in dataset_error_cases(tmp_path):
-        messages.append(one_line_error(key, lambda: list(iter_documents(cfg))))
+        messages.append(one_line_error(key, lambda: list(Documents(cfg).read())))
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     messages += [
-        one_line_error("data.hf_path", iter_documents, DataConfig(name="hf", hf_path="allenai/c4", hf_name="en")),
+        one_line_error("data.hf_path", Documents, DataConfig(name="hf", hf_path="allenai/c4", hf_name="en")),
         one_line_error("tokenizer.path", build_tokenizer, TokenizerConfig(name="tiktoken", path=None)),
         one_line_error("tokenizer.name", build_tokenizer, TokenizerConfig(name="sentencepiece")),
         one_line_error("model.vocab_size", vocab_size_check, ByteTokenizer(), 256),
@@ -395,6 +395,33 @@ def test_a_streamed_hub_dataset_resumes_near_its_position_without_reading_the_st
         for want in batches[i:i + 4]:
             got = next(resumed)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), i
+
+
+def test_a_hub_dataset_is_loaded_once_however_often_the_batches_reread_it(tmp_path, monkeypatch):
+    """Each load_dataset of a Hub dataset is requests to the Hub, from every rank of a job at once (answered with
+    HTTP 429 at scale): the batches load it once, and their rereads (the trainer's rewind after checking the first
+    batch, a resume, each epoch) read the loaded dataset again."""
+    import datasets
+
+    write_jsonl(tmp_path / "part0.jsonl", [{"text": f"document {i}"} for i in range(40)])
+    loads = []
+    load_dataset = datasets.load_dataset
+
+    def counted(path, *args, **kwargs):
+        loads.append(path)
+        return load_dataset(path, *args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", counted)
+    cfg = DataConfig(name="hf", hf_path="json", hf_data_files=str(tmp_path / "*.jsonl"))
+    batches = TokenBatches(cfg, ByteTokenizer(), global_batch_size=4, seq_len=31, seed=0)
+    first = batches.state_dict()
+    want = [next(batches) for _ in range(12)]  # 40 documents of 12 bytes (BOS/EOS included): four epochs
+    assert batches.epoch >= 3
+    batches.load_state_dict(first)  # the trainer's rewind
+    batches.load_state_dict(json.loads(json.dumps(first)))  # a resume
+    for expected in want:
+        assert torch.equal(next(batches)[0], expected[0])
+    assert loads == ["json"]
 
 
 def test_synthetic_is_seeded():

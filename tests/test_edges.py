@@ -175,7 +175,7 @@ def test_a_binary_data_file_is_one_line_naming_it_before_anything_is_written(tmp
 
 
 def test_data_file_text_checks(tmp_path, caplog):
-    from membudget.data import check_text_file, iter_documents
+    from membudget.data import Documents, check_text_file
     from membudget.schema import DataConfig
 
     (tmp_path / "utf16.txt").write_text("plain words " * 50, encoding="utf-16")
@@ -199,7 +199,7 @@ def test_data_file_text_checks(tmp_path, caplog):
     corpus.mkdir()
     (corpus / "a.txt").write_text("the first document")
     _binary(corpus / "b.txt")
-    docs = iter_documents(DataConfig(name="text", path=str(corpus)))
+    docs = Documents(DataConfig(name="text", path=str(corpus))).read()
     assert next(docs) == "the first document"
     with pytest.raises(UserError, match="b.txt'"):
         next(docs)
