@@ -367,19 +367,47 @@ def _load_hf(cfg: DataConfig):
     try:
         ds = datasets.load_dataset(cfg.hf_path, name=cfg.hf_name, data_files=cfg.hf_data_files, split=cfg.split,
                                    streaming=cfg.streaming, revision=cfg.hf_revision)
-    except ConnectionError as e:
-        local = ", ".join(option_for("data", "name", name) for name in (DataName.text, DataName.jsonl))
-        raise UserError(
-            f"data.hf_path={cfg.hf_path!r}: cannot reach the Hugging Face Hub ({e}); there is no network here: "
-            f"set HF_DATASETS_OFFLINE=1 to use a cached copy, or use local files "
-            f"({local}, or data.hf_path=json data.hf_data_files=<file>)"
-        ) from None
-    except FileNotFoundError as e:
+    except Exception as e:
         key, value = ("data.hf_data_files", cfg.hf_data_files) if cfg.hf_data_files else ("data.hf_path", cfg.hf_path)
-        raise UserError(f"{key}={value!r}: not found ({e}); point {key} at an existing dataset or file") from None
+        status = _http_status(e)
+        if status is not None and status != 404:  # datasets words any answer of the Hub but 404 as "not found"
+            raise UserError(f"{key}={value!r}: the Hub answered HTTP {status}; {_HUB_FIXES.get(status, _HUB_LATER)}"
+                            ) from None
+        if isinstance(e, ConnectionError):
+            local = ", ".join(option_for("data", "name", name) for name in (DataName.text, DataName.jsonl))
+            raise UserError(
+                f"data.hf_path={cfg.hf_path!r}: cannot reach the Hugging Face Hub ({e}); there is no network here: "
+                f"set HF_DATASETS_OFFLINE=1 to use a cached copy, or use local files "
+                f"({local}, or data.hf_path=json data.hf_data_files=<file>)"
+            ) from None
+        if isinstance(e, FileNotFoundError):
+            raise UserError(f"{key}={value!r}: not found ({e}); point {key} at an existing dataset or file") from None
+        raise
     if ds.features is not None and cfg.text_field not in ds.features:
         raise _field_error(cfg.text_field, f"the examples of {cfg.hf_path}", dict.fromkeys(ds.features))
     return ds
+
+
+# What to do about a Hub that answers with an error (huggingface_hub has retried it already)
+_HUB_LATER = "retry later, or read a copy on shared storage (data.hf_path=json or parquet, data.hf_data_files=...)"
+_HUB_FIXES = {
+    401: "the dataset is gated or private: accept its terms on the Hub and set HF_TOKEN to a token with access",
+    403: "the dataset is gated or private: accept its terms on the Hub and set HF_TOKEN to a token with access",
+    429: "too many requests (each rank of a job loads the dataset): download it once to shared storage and read it "
+         "there (data.hf_path=json or parquet, data.hf_data_files=...), or set HF_TOKEN for a larger quota",
+}
+
+
+def _http_status(error: BaseException) -> Optional[int]:
+    """The HTTP status of the Hub's answer behind an error that datasets raised in its own words, if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        if isinstance(status, int):
+            return status
+        error = error.__cause__ or error.__context__
+    return None
 
 
 # Documents formatted as Python (decoded as the dataset's features say) in batches: ~3x faster than one by one

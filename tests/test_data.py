@@ -1,9 +1,12 @@
 """Tokenizers, datasets, batches and their prefetching: CPU only, local files only (no network), a few seconds."""
 
 import base64
+import http.server
 import importlib.util
 import json
+import os
 import re
+import subprocess
 import sys
 import threading
 
@@ -205,6 +208,44 @@ def test_hf_without_network_is_a_user_error(monkeypatch):
     message = one_line_error("data.hf_path='allenai/c4'", Documents, DataConfig(name="hf", hf_path="allenai/c4",
                                                                                       hf_name="en"))
     assert "no network" in message and "HF_DATASETS_OFFLINE" in message
+
+
+class _HubAnswering(http.server.BaseHTTPRequestHandler):
+    """A Hub that answers every request for datasets/<org>/<status>... with that HTTP status."""
+
+    def do_GET(self):
+        status = int(self.path.split("/")[3]) if self.path.startswith("/datasets/") else 404
+        self.send_response(status)
+        self.send_header("Retry-After", "0")  # huggingface_hub retries a 429 (five times, a second apart)
+        self.end_headers()
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_hub_that_refuses_is_named_with_its_status_and_the_fix(tmp_path):
+    """datasets words every error of the Hub as "not found": a rate limit (HTTP 429, which a job's ranks all
+    loading at once meet at scale) and a gated dataset (403) get their own cause and fix. A real HTTP server stands
+    in for the Hub (HF_ENDPOINT, read when huggingface_hub is imported: a fresh process)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HubAnswering)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    child = ("import sys\nfrom membudget.data import Documents\nfrom membudget.errors import UserError\n"
+             "from membudget.schema import DataConfig\nfor path in sys.argv[1:]:\n    try:\n"
+             "        Documents(DataConfig(name='hf', hf_path=path, hf_revision='0' * 40))\n"
+             "    except UserError as e:\n        print(e)\n")
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}", "HF_HUB_OFFLINE": "0",
+           "HF_DATASETS_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf")}
+    try:
+        out = subprocess.run([sys.executable, "-c", child, "org/429", "org/403"], env=env, capture_output=True,
+                             text=True, timeout=120)
+    finally:
+        server.shutdown()
+    limited, gated = out.stdout.splitlines()
+    assert limited.startswith("data.hf_path='org/429': the Hub answered HTTP 429; too many requests") and \
+        "shared storage and read it there (data.hf_path=json or parquet" in limited, out.stdout + out.stderr[-2000:]
+    assert gated.startswith("data.hf_path='org/403': the Hub answered HTTP 403;") and "HF_TOKEN" in gated, gated
 
 
 def dataset_error_cases(tmp_path):
