@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from membudget import compile_cache
 from membudget.ac import compiler_scope
-from membudget.checkpoint import Checkpointer, config_changes, save_seconds, saved_checkpoints
+from membudget.auto import choose_for_run, write_plan
+from membudget.checkpoint import Checkpointer, config_changes, save_seconds
 from membudget.collector import scheduled_gc
 from membudget.data import (Prefetcher, TokenBatches, build_tokenizer, data_changes, data_fingerprint,
                             unpinned_hub_data, vocab_size_check)
@@ -37,8 +38,8 @@ from membudget.diagnostics import Diagnostics
 from membudget.console import quiet_log_file_errors
 from membudget.errors import Stopped, UserError
 from membudget.fit import CHECKPOINT_BYTES_PER_PARAMETER, WEIGHT_BYTES, check_fits, check_host_fits
-from membudget.launch import (Heartbeat, Launch, check_same_run, init_distributed, launch_from_env, launcher_gone,
-                              pick_device, warn_if_unused_allocation)
+from membudget.launch import (Heartbeat, Launch, check_same_run, init_distributed, launch_from_env, pick_device,
+                              warn_if_unused_allocation)
 from membudget.metrics import (
     ActivationCounter,
     MetricsWriter,
@@ -51,16 +52,16 @@ from membudget.metrics import (
     quiet_console,
     reset_peak_memory,
     write_json,
-    write_text,
 )
 from membudget.model import num_params
 from membudget.offload import find_offloader
 from membudget.parallel import all_reduce, broadcast_object, build_mesh, clip_grad_norm, dp_coordinates, gradient_sync
 from membudget.rules import compile_enabled, validate
 from membudget.rundir import RunDirLock, start_fresh
-from membudget.schema import (ACMode, NonFinite, ac_label, auto_key, block_policies, budget_list, budget_of,
-                              compact_policies, is_auto, resolved)
+from membudget.schema import (ACMode, NonFinite, ac_label, block_policies, budget_of, compact_policies, is_auto,
+                              resolved)
 from membudget.step import Numerics, StepShape, build_model, build_optimizer, forward_backward
+from membudget.stop import StopSignals, stopped_by
 from membudget.units import GiB, MiB
 
 log = logging.getLogger("membudget")
@@ -141,70 +142,6 @@ def _who_stopped(stopped: dict[int, Optional[str]]) -> str:
                         + _FATES[state][len(ranks) > 1] for state, ranks in by_fate.items())
 
 
-class _StopPlanning(BaseException):
-    """Raised by StopSignals while auto plans (StopSignals.at_once): a BaseException, so that it passes through
-    the compiler's own error handling (which wraps an Exception raised inside a compile)."""
-
-
-class StopSignals:
-    """Signals noted at once and acted on at the next step boundary, where all ranks agree to stop:
-    - SIGUSR2, SLURM's warning before the time limit (the launcher presets ask for it; submitit also uses it
-      for preemption): checkpoint, then submitit's own handler requeues the job (status "preempted");
-    - SIGTERM and SIGINT (Ctrl-C): checkpoint and end with status "interrupted"; a second Ctrl-C stops at once.
-    One received during set-up ends the run before its first step, with nothing to save (stop_before_training);
-    one received while this rank plans auto's setting ends the planning at once (`at_once`).
-    """
-
-    SIGNALS = {signal.SIGUSR2: "preempted", signal.SIGTERM: "interrupted", signal.SIGINT: "interrupted"}
-
-    def __init__(self):
-        self.received: Optional[int] = None
-        self.previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                self.previous[signum] = signal.signal(signum, self._note)
-
-    def _note(self, signum, frame) -> None:
-        if signum == signal.SIGINT and self.received is not None:
-            raise KeyboardInterrupt  # the second Ctrl-C
-        gone = launcher_gone() if signum == signal.SIGTERM else None
-        # several ranks: said at the step boundary, once every rank agreed to stop (torchrun's SIGTERM after
-        # another rank failed is followed by no agreement and no checkpoint, only the line naming that rank)
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            log.warning("received %s: %s", signal.Signals(signum).name,
-                        "stopping the planning" if self.planning else "stopping at the next step boundary")
-        self.received = signum
-        self.why = gone
-        if self.planning:
-            raise _StopPlanning
-
-    planning = False  # this rank is planning auto's setting: a signal ends it at once (nothing else to lose)
-
-    @contextlib.contextmanager
-    def at_once(self):
-        """While this rank plans: the first signal stops the planning where it is (the plan is all it would
-        finish, minutes for a large grid, past SLURM's 30 s between SIGTERM and SIGKILL)."""
-        self.planning = True
-        try:
-            yield
-        finally:
-            self.planning = False
-
-    received_by: Optional[int] = None  # the lowest rank that received a signal, agreed at the step's sync
-    reached: Optional[str] = None  # "rank 1", "ranks 0, 2", "every rank"
-    agreed: Optional[int] = None  # that rank's signal
-    why: Optional[str] = None
-
-    @property
-    def status(self) -> str:
-        return self.SIGNALS.get(self.received, "interrupted")
-
-    def restore(self) -> None:
-        for signum, previous in self.previous.items():
-            signal.signal(signum, previous)
-        self.previous = {}
-
-
 @dataclass
 class Run:
     """Everything one training run is made of, built by `setup`."""
@@ -232,7 +169,7 @@ class Run:
     compile_s: Optional[float] = None
     flops_per_token: float = 0.0  # training FLOPs per token, for MFU
     peak_flops: Optional[float] = None  # this device's, in the run's dtype; None: MFU is not reported
-    plan: Any = None  # the plan ac.memory_budget=auto or ac.blocks=auto chose (_choose_setting); None otherwise
+    plan: Any = None  # the plan ac.memory_budget=auto or ac.blocks=auto chose (auto.choose_for_run); None otherwise
 
     @property
     def label(self) -> str:
@@ -283,8 +220,6 @@ def _agree_on_run_dir(run_dir: Path, launch: Launch) -> Path:
 
 def _kept_metrics(run_dir: Path, n: int, is_main: bool) -> list[dict[str, Any]]:
     """The first n metrics rows, those up to the checkpoint; rank 0 drops the rest, as those steps run again."""
-    import json
-
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines(keepends=True)[:n] if path.exists() else []
     if is_main:
@@ -356,7 +291,7 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     init_distributed(launch, device, cfg.parallelism.timeout_s)  # once per process: a multirun's jobs share it
     quiet_console(launch.is_main)
     if is_auto(cfg.ac):
-        chosen, inputs = _choose_setting(cfg, launch, device.type, stop, Path(run_dir))
+        chosen, inputs = choose_for_run(cfg, launch, device.type, stop, Path(run_dir))
         validate(cfg, launch.world_size)  # the choice too: e.g. full blocks compiled under TP
     else:
         chosen = inputs = None
@@ -406,7 +341,7 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
         batches.load_state_dict(state["extra"]["data"])
     wandb_run = None
     if launch.is_main:
-        _write_plan(run_dir, chosen, inputs)
+        write_plan(run_dir, chosen, inputs)
         wandb_run = init_wandb(cfg, run_dir, wandb_group, resume_id=state["extra"].get("wandb_id") if state else None)
     prefetcher = Prefetcher(batches, cfg.data.prefetch, pin=device.type == "cuda")
     stack.callback(prefetcher.close)
@@ -422,134 +357,6 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
 
 # How long the other ranks wait for rank 0's auto plan, past the process group's timeout: the 8B grid took 2
 # minutes on this project's 2-core test machine (README, "Planning memory and speed"); any grid is well within it
-PLAN_WAIT_S = 3 * 3600
-
-
-def _choose_setting(cfg, launch: Launch, device: str, stop: StopSignals, run_dir: Path):
-    """ac.memory_budget=auto or ac.blocks=auto: planned on fake tensors over a fake process group,
-    for the kind of device this run trains on (train.device=auto on a machine without a GPU: the CPU's numerics).
-    Several ranks: rank 0 plans, in a fresh interpreter (beside the joined process group the planner's fake one
-    cannot be made), and every rank takes its answer, or its error; a planner process that a stop signal ended
-    with rank 0 (torchrun's and SLURM's SIGTERM reach both) stops every rank. A run that resumes keeps the choice
-    and plan its run dir's plan.json holds where what auto chooses from is unchanged (_kept_choice), and plans
-    nothing. (its plan, what auto chose from: plan.auto_inputs; rank 0's, else None)."""
-    from membudget.plan import auto_inputs, choose_setting, choose_setting_apart
-
-    key = auto_key(cfg.ac.mode)
-    inputs = kept = None
-
-    def start() -> None:  # rank 0's: what auto chooses from, and whether a resumed run keeps its choice
-        nonlocal inputs, kept
-        inputs = auto_inputs(cfg, launch.world_size, device)
-        kept = _kept_choice(cfg, run_dir, key, inputs)
-        if kept is not None:
-            log.info("ac.%s=auto: keeping %s, the choice of this run's first start, and its plan (%s, made from "
-                     "the same config, device and torch)", key, kept[0], run_dir / "plan.json")
-        else:
-            log.info("ac.%s=auto: planning %s on fake tensors for %s", key,
-                     "a policy per block" if key == "blocks" else f"the budgets {budget_list(cfg.plan.budgets)}",
-                     "cuda" if device == "cuda" else "this CPU")
-
-    if dist.is_initialized():
-        outcome, failure = None, None
-        if launch.rank != 0:
-            log.info("ac.%s=auto: rank 0 plans; this rank waits for its answer", key)
-        if launch.rank == 0:
-            try:
-                start()
-                with stop.at_once():  # its planner process is ended with it
-                    outcome = ("ok", kept or choose_setting_apart(cfg, launch.world_size, device))
-            except _StopPlanning:
-                outcome = ("stopped", stop.received)
-            except Exception as e:
-                if stop.received:  # the signal (torchrun's, SLURM's) that ended the planner's process too
-                    outcome = ("stopped", stop.received)
-                elif isinstance(e, UserError):
-                    outcome = ("error", str(e))
-                else:  # a bug: the other ranks stop with a line, not at the end of their wait
-                    outcome, failure = ("error", f"ac.{key}=auto: rank 0's planning failed ({type(e).__name__}: "
-                                                 f"{e}); plan the run with python -m membudget.plan"), e
-        outcome = broadcast_object(outcome, torch.device("cpu"), timeout_s=PLAN_WAIT_S)
-        if failure is not None:
-            raise failure
-        if outcome[0] == "error":
-            raise UserError(outcome[1])
-        if outcome[0] == "stopped":
-            raise _planning_stopped(outcome[1], f"while rank 0 planned ac.{key}=auto")
-        choice, plan = outcome[1]
-    else:
-        start()
-        try:
-            with stop.at_once():
-                choice, plan = kept or choose_setting(cfg, launch.world_size, device)
-        except _StopPlanning:
-            raise _planning_stopped(stop.received, f"while planning ac.{key}=auto") from None
-    setattr(cfg.ac, key, choice)
-    log.info("ac.%s=auto -> %s: %s%s", key, choice, plan.summary_line(),
-             "" if launch.rank == 0 else " (rank 0's plan)")
-    return plan, inputs
-
-
-def _kept_choice(cfg, run_dir: Path, key: str, inputs: dict):
-    """(the choice, its plan) of an earlier start of this run, which a resumed run keeps: from its plan.json,
-    where that start chose from the same auto_inputs (`inputs`) and left a checkpoint to resume
-    (checkpoint.resume=auto). A requeued job then neither plans again nor changes its AC setting midway. None
-    otherwise; where the inputs changed, the log says which."""
-    from membudget.plan import Plan, changed_inputs
-
-    try:
-        if cfg.checkpoint.resume != "auto" or not saved_checkpoints(run_dir):
-            return None
-        written = json.loads((run_dir / "plan.json").read_text())
-    except (OSError, ValueError):  # none, one cut short, a dir it cannot read: choose again
-        return None
-    before = written.get("auto_inputs") if isinstance(written, dict) else None
-    if not isinstance(before, dict):
-        return None
-    if before != inputs:
-        changes = changed_inputs(before, inputs)
-        log.info("ac.%s=auto: choosing again: what it chooses from changed since this run's earlier start (%s%s)",
-                 key, "; ".join(changes[:4]), f"; {len(changes) - 4} more" if len(changes) > 4 else "")
-        return None
-    try:
-        plan = Plan.from_dict(written)
-    except (TypeError, ValueError, KeyError) as e:  # a plan.json of another version: choose again
-        log.info("ac.%s=auto: choosing again: %s does not hold a plan this version reads (%s: %s)", key,
-                 run_dir / "plan.json", type(e).__name__, e)
-        return None
-    return (plan.policies if key == "blocks" else plan.memory_budget), plan
-
-
-def _stopped_by(signum: Optional[int], how: str) -> Stopped:
-    """The Stopped that `signum` (None: not known) ends the run with: "stopped by SIGTERM<how>"."""
-    name = signal.Signals(signum).name if signum else "a signal"
-    return Stopped(StopSignals.SIGNALS.get(signum, "interrupted"), name, f"stopped by {name}{how}")
-
-
-def _planning_stopped(signum: int, when: str) -> Stopped:
-    return _stopped_by(signum, f" {when}, before anything was written")
-
-
-def _write_plan(run_dir: Path, plan, inputs: Optional[dict]) -> None:
-    """The plan auto chose, as `python -m membudget.plan` writes it (plan.md, plan.json, with what
-    it chose from, `inputs`, for a resumed run to keep it: _kept_choice): what the run's measurements can be read
-    against. None (a run not set to auto): an earlier start's plan, resumed here with another AC setting, is
-    removed, as it no longer says what runs."""
-    from membudget.plan.report import plan_markdown
-
-    if plan is None:
-        for name in ("plan.md", "plan.json"):
-            (run_dir / name).unlink(missing_ok=True)
-        return
-    for path, write, content in ((run_dir / "plan.md", write_text, plan_markdown(plan)),
-                                 (run_dir / "plan.json", write_json, {**plan.to_dict(), "auto_inputs": inputs})):
-        try:
-            write(path, content)
-        except OSError as e:
-            raise UserError(f"ac.{auto_key(plan.ac_mode)}=auto: could not write {path} ({e.strerror or e}); free "
-                            "space, then rerun the same command") from None
-
-
 # --- one step ------------------------------------------------------------------------------------------------
 
 def train_step(run: Run) -> StepResult:
@@ -595,7 +402,7 @@ def _stopped(run: Run, stop: StopSignals, what: str) -> Stopped:
     """The Stopped that ends the run once the ranks agreed to stop: `what` happened (after step N, ...)."""
     where = f" to {stop.reached}" if run.launch.world_size > 1 and stop.reached else ""
     why = f" ({stop.why})" if stop.why else ""
-    return _stopped_by(stop.agreed or stop.received, f"{where}{why} {what}")
+    return stopped_by(stop.agreed or stop.received, f"{where}{why} {what}")
 
 
 def _signals(run: Run, stop: StopSignals) -> torch.Tensor:

@@ -79,15 +79,15 @@ def test_a_full_disk_while_appending_metrics_loses_no_line_and_prints_no_logging
 
 
 def test_an_auto_plan_that_cannot_be_written_is_one_line_and_leaves_no_half_file(tiny_disk):
-    """The plan an auto run chose goes into its run dir (trainer._write_plan) before training: on a full disk,
+    """The plan an auto run chose goes into its run dir (auto.write_plan) before training: on a full disk,
     one line naming the file and the fix, and no temporary file left."""
     from membudget.plan import plan_setting
-    from membudget.trainer import _write_plan
+    from membudget.auto import write_plan
 
     plan = plan_setting(compose_cfg(*TINY, "train.device=cpu"))
     _fill(tiny_disk, leave=0)
     with pytest.raises(UserError) as err:
-        _write_plan(tiny_disk, plan, {"what": "auto chose from"})
+        write_plan(tiny_disk, plan, {"what": "auto chose from"})
     message = str(err.value)
     assert "\n" not in message and str(tiny_disk / "plan.md") in message and "No space left" in message
     assert "free space, then rerun the same command" in message
@@ -128,11 +128,11 @@ def test_a_run_not_set_to_auto_removes_the_plan_an_earlier_auto_start_wrote(tmp_
     """A resume may change the AC setting: the auto plan left by the run's first start no longer says what runs
     (the report would show it beside the job), so a start that is not auto removes it."""
     from membudget.plan import plan_setting
-    from membudget.trainer import _write_plan
+    from membudget.auto import write_plan
 
-    _write_plan(tmp_path, plan_setting(compose_cfg(*TINY, "train.device=cpu")), {"what": "auto chose from"})
+    write_plan(tmp_path, plan_setting(compose_cfg(*TINY, "train.device=cpu")), {"what": "auto chose from"})
     assert (tmp_path / "plan.json").exists() and (tmp_path / "plan.md").exists()
-    _write_plan(tmp_path, None, None)
+    write_plan(tmp_path, None, None)
     assert not list(tmp_path.iterdir())
 
 

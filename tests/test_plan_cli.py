@@ -58,7 +58,7 @@ def test_one_setting_is_written_as_plan_json_and_md(tmp_path):
     assert result["device"]["reason"] == "plan.gpu=A100-40GB" and result["setting"]["attention"] == "flash"
     text = (tmp_path / "plan.md").read_text()
     assert "reserved peak (default allocator)" in text and "tokens/s per device" in text
-    # plan.json reads back as the plan it was (what a resumed auto run keeps: trainer._kept_choice), and one of
+    # plan.json reads back as the plan it was (what a resumed auto run keeps: auto.kept_choice), and one of
     # another version (a field missing) is refused
     from membudget.plan import Plan
 

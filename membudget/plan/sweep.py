@@ -150,7 +150,7 @@ def changed_inputs(before: dict, now: dict) -> list[str]:
 def choose_setting_apart(cfg, world_size: Optional[int] = None, device: Optional[str] = None) -> tuple[object, Plan]:
     """choose_setting in a fresh interpreter (its torch import: about 3 s), for a process that has joined a real
     process group, beside which the planner's fake one cannot be made (rank 0 of a run over several ranks, which
-    plans for all of them: trainer._choose_setting). Its warnings reach this process's stderr; its UserError is
+    plans for all of them: auto.choose_for_run). Its warnings reach this process's stderr; its UserError is
     raised here."""
     # Ctrl-C ends the child as SIGTERM does, without a KeyboardInterrupt traceback: its parent says what stopped
     child = subprocess.run([sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, signal.SIG_DFL); "

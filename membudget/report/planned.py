@@ -94,7 +94,7 @@ def add_plans(sweep: Sweep, rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _chosen_plan(run_dir: Path) -> Optional[tuple[int, int]]:
-    """(activations, peak) of the plan an auto run chose and wrote (plan.json, trainer._write_plan); None without
+    """(activations, peak) of the plan an auto run chose and wrote (plan.json, auto.write_plan); None without
     one, or where it cannot be read (planned again then)."""
     try:
         plan = json.loads((run_dir / "plan.json").read_text())
