@@ -81,8 +81,8 @@ def test_a_full_disk_while_appending_metrics_loses_no_line_and_prints_no_logging
 def test_an_auto_plan_that_cannot_be_written_is_one_line_and_leaves_no_half_file(tiny_disk):
     """The plan an auto run chose goes into its run dir (auto.write_plan) before training: on a full disk,
     one line naming the file and the fix, and no temporary file left."""
-    from membudget.plan import plan_setting
     from membudget.auto import write_plan
+    from membudget.plan import plan_setting
 
     plan = plan_setting(compose_cfg(*TINY, "train.device=cpu"))
     _fill(tiny_disk, leave=0)
@@ -91,6 +91,28 @@ def test_an_auto_plan_that_cannot_be_written_is_one_line_and_leaves_no_half_file
     message = str(err.value)
     assert "\n" not in message and str(tiny_disk / "plan.md") in message and "No space left" in message
     assert "free space, then rerun the same command" in message
+    assert sorted(p.name for p in tiny_disk.iterdir()) == ["filler"]
+
+
+def test_compiled_code_that_cannot_be_kept_is_a_warning_and_leaves_no_half_file(tiny_disk, caplog):
+    """The run's compiled code (compile_cache.bin, written after the first compiled step) on a full disk: one
+    warning naming the file and what it costs, no temporary file left, and the run goes on."""
+    import torch._inductor.codecache  # noqa: F401 - registers inductor's kind of artifact, as its first compile does
+
+    from membudget import compile_cache
+    from membudget.internals import compile_artifacts
+
+    compile_artifacts.clear()
+    compile_artifacts.record_artifact("inductor", "a graph", b"generated code " * 4096)  # as a compile records it
+    _fill(tiny_disk, leave=0)
+    try:
+        with caplog.at_level("WARNING", logger="membudget"):
+            compile_cache.save(tiny_disk)
+    finally:
+        compile_artifacts.clear()
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"{tiny_disk / 'compile_cache.bin'}: could not write it (No space left")
+    assert warning.endswith("a later start compiles again")
     assert sorted(p.name for p in tiny_disk.iterdir()) == ["filler"]
 
 
@@ -127,8 +149,8 @@ def test_a_choice_that_does_not_fit_in_the_planner_process_is_its_own_line():
 def test_a_run_not_set_to_auto_removes_the_plan_an_earlier_auto_start_wrote(tmp_path):
     """A resume may change the AC setting: the auto plan left by the run's first start no longer says what runs
     (the report would show it beside the job), so a start that is not auto removes it."""
-    from membudget.plan import plan_setting
     from membudget.auto import write_plan
+    from membudget.plan import plan_setting
 
     write_plan(tmp_path, plan_setting(compose_cfg(*TINY, "train.device=cpu")), {"what": "auto chose from"})
     assert (tmp_path / "plan.json").exists() and (tmp_path / "plan.md").exists()
