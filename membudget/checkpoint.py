@@ -459,7 +459,7 @@ def config_changes(saved: Optional[dict], now: dict) -> tuple[list[str], list[st
         if old.get(key) == new.get(key):
             continue
         change = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
-        if key.startswith(_FIXED) and key != "data.prefetch":
+        if key.startswith(_FIXED):
             refused.append(change)
         elif key.startswith(_APPLIED):
             applied.append(change)

@@ -22,7 +22,9 @@ import os
 import queue
 import re
 import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
 from typing import Optional
 from unittest import mock
@@ -412,6 +414,10 @@ def _http_status(error: BaseException) -> Optional[int]:
 
 # Documents formatted as Python (decoded as the dataset's features say) in batches: ~3x faster than one by one
 HF_BATCH = 256
+# Documents each tokenizing thread is given at a time (TokenBatches), enough to keep it busy between hand-offs;
+# READ_AHEAD_MOST in all, for HubDocuments to keep the stream's position of each one the batches have not reached
+READ_AHEAD, READ_AHEAD_MOST = 16, 128
+_MARKS = READ_AHEAD_MOST + 2  # HubDocuments' batch boundaries kept: one per batch of at least one document
 
 
 def _hf_texts(ds, cfg: DataConfig, start: int) -> Iterator[str]:
@@ -471,9 +477,9 @@ class HubDocuments:
         if state is not None:
             self._stream.load_state_dict(state)
         self._next = doc  # the index of the next document the stream gives
-        # (the index of the first document after a batch boundary, the stream's position there): the batch being
-        # read starts at `_marks[0]`, the next one at `_marks[1]`
-        self._marks = [(doc, state)] * 2
+        # (the index of the first document after a batch boundary, the stream's position there) of the last
+        # batches read: enough for any document the batches have not passed yet (READ_AHEAD_MOST behind at most)
+        self._marks: deque = deque([(doc, state)], maxlen=_MARKS)
         self._batches = self._stream.iter(batch_size=HF_BATCH)
         self._texts: Iterator[str] = iter(())
         self._more()
@@ -485,8 +491,9 @@ class HubDocuments:
         except StopIteration:
             return False
         # the stream's position now follows this batch (datasets updates it before handing the batch out)
-        self._marks = [self._marks[1], (self._marks[1][0] + len(batch), self._stream.state_dict())]
-        self._texts = iter(_checked_texts(batch, self.cfg, self._marks[0][0]))
+        first = self._marks[-1][0]
+        self._marks.append((first + len(batch), self._stream.state_dict()))
+        self._texts = iter(_checked_texts(batch, self.cfg, first))
         return True
 
     def _read(self) -> str:
@@ -499,10 +506,10 @@ class HubDocuments:
         return text
 
     def position(self, doc: int) -> dict:
-        """Where document `doc` (one this reader gave last, or the one after it) lies: a stream position at or
-        before it, and that position's document index; Documents.read(start=doc, resume=this) continues
-        there."""
-        at, state = self._marks[1] if doc >= self._marks[1][0] else self._marks[0]
+        """Where document `doc` (one of the last READ_AHEAD_MOST this reader gave, or the one after them) lies: a
+        stream position at or before it, and that position's document index; Documents.read(start=doc,
+        resume=this) continues there."""
+        at, state = next(mark for mark in reversed(self._marks) if mark[0] <= doc)
         return {"doc": at, "state": state}
 
 
@@ -634,6 +641,20 @@ def _kind(fingerprint: dict) -> str:
 
 # ------------------------------------------------------------------------------------------------ batches
 
+# The most threads data.tokenize_threads=null gives a rank: more than a node's share of the CPUs seldom helps
+TOKENIZE_THREADS_MOST = 8
+
+
+def tokenize_threads(cfg: DataConfig, tokenizer: TokenizerConfig, local_ranks: int) -> int:
+    """data.tokenize_threads, or what null means: 1 for the byte tokenizer (and synthetic data), else this
+    process's CPUs shared among its node's `local_ranks`, at most TOKENIZE_THREADS_MOST."""
+    if cfg.tokenize_threads is not None:
+        return cfg.tokenize_threads
+    if tokenizer.name == TokenizerName.byte or cfg.name == DataName.synthetic:
+        return 1
+    return max(1, min(TOKENIZE_THREADS_MOST, len(os.sched_getaffinity(0)) // max(local_ranks, 1)))
+
+
 class TokenBatches:
     """Endless (inputs, labels) batches for one data-parallel rank: [global_batch_size // dp_size, seq_len] longs.
 
@@ -643,9 +664,14 @@ class TokenBatches:
     """
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, global_batch_size: int, seq_len: int, seed: int,
-                 dp_rank: int = 0, dp_size: int = 1):
+                 dp_rank: int = 0, dp_size: int = 1, threads: int = 1):
         check_global_batch(global_batch_size, dp_size)
         self.cfg, self.tokenizer = cfg, tokenizer
+        # `threads` tokenize the documents after the current one while this thread reads the next (tiktoken
+        # releases the GIL), READ_AHEAD each; a document that cannot be read is raised when its turn comes
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="membudget-tokenize") if threads > 1 else None
+        self._read_ahead = min(READ_AHEAD * threads, READ_AHEAD_MOST) if threads > 1 else 1
+        self._ahead: deque = deque()
         self.global_batch_size, self.seq_len, self.seed = global_batch_size, seq_len, seed
         local = global_batch_size // dp_size
         self.rows = slice(dp_rank * local, (dp_rank + 1) * local)
@@ -686,6 +712,8 @@ class TokenBatches:
 
     def _open_reader(self, resume: Optional[dict] = None) -> None:
         self._docs = None
+        self._ahead.clear()  # what was read ahead of the old position
+        self._read_all = False
         if self._documents is None:  # synthetic
             return
         self._docs = self._documents.read(start=self.doc, resume=resume)
@@ -708,9 +736,8 @@ class TokenBatches:
         return np.concatenate(chunks)
 
     def _read_document(self) -> np.ndarray:
-        try:
-            text = next(self._docs)
-        except StopIteration:
+        self._read_ahead_now()
+        if not self._ahead:  # the epoch's end
             if self._from_epoch_start and self._epoch_tokens == 0:
                 hf = self.cfg.name == DataName.hf
                 key, value = ("data.hf_path", self.cfg.hf_path) if hf else ("data.path", self.cfg.path)
@@ -718,10 +745,39 @@ class TokenBatches:
             self.epoch, self.doc = self.epoch + 1, 0
             self._open_reader()
             return self._read_document()
-        # empty documents add nothing, not even BOS/EOS
-        tokens = self.tokenizer.encode_array(text) if text else np.empty(0, dtype=np.int64)
+        item = self._ahead.popleft()
+        if isinstance(item, BaseException):  # the document that could not be read: its turn came
+            raise item
+        tokens = item.result() if isinstance(item, Future) else item
         self._epoch_tokens += len(tokens)
         return tokens
+
+    def _read_ahead_now(self) -> None:
+        """Documents read and handed to the tokenizing threads up to the read-ahead (one: tokenized here). One
+        that cannot be read ends the reading, as its error (the first: raised now)."""
+        while len(self._ahead) < self._read_ahead and not self._read_all:
+            try:
+                text = next(self._docs)
+            except StopIteration:
+                self._read_all = True
+                break
+            except Exception as e:
+                if not self._ahead:
+                    raise
+                self._ahead.append(e)
+                self._read_all = True
+                break
+            self._ahead.append(self._tokens_of(text) if self._pool is None else
+                               self._pool.submit(self._tokens_of, text))
+
+    def _tokens_of(self, text: str) -> np.ndarray:
+        # empty documents add nothing, not even BOS/EOS
+        return self.tokenizer.encode_array(text) if text else np.empty(0, dtype=np.int64)
+
+    def close(self) -> None:
+        """The tokenizing threads end (a run's end; the batches are not read after it)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Prefetcher:

@@ -334,6 +334,9 @@ def check_checkpoint(cfg: Any) -> None:
 def check_data(cfg: Any) -> None:
     if cfg.data.prefetch < 0:
         fail("data.prefetch", cfg.data.prefetch, "must be 0 (no background loading) or a positive number of batches")
+    if cfg.data.tokenize_threads is not None and cfg.data.tokenize_threads < 1:
+        fail("data.tokenize_threads", cfg.data.tokenize_threads,
+             "must be a positive number of threads, or null to use this rank's share of the CPUs")
 
 
 def check_plan(cfg: Any) -> None:

@@ -302,6 +302,10 @@ class DataConfig:
     """hf: stream instead of downloading the whole dataset first."""
     prefetch: int = 2
     """Batches prepared ahead in a background thread (tokenized, this rank's rows); 0: in the loop."""
+    tokenize_threads: Optional[int] = None
+    """Threads that tokenize the documents ahead of the batches, in order. Every rank tokenizes the whole global
+    batch, so each must keep up with the job's tokens/s in all (world size x tokens/s per GPU). null: 1 for the
+    byte tokenizer (numpy outruns threads), else this process's CPUs shared among its node's ranks, at most 8."""
 
 
 @dataclass

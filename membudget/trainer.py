@@ -33,7 +33,7 @@ from membudget.auto import choose_for_run, write_plan
 from membudget.checkpoint import Checkpointer, config_changes, save_seconds
 from membudget.collector import scheduled_gc
 from membudget.data import (Prefetcher, TokenBatches, build_tokenizer, data_changes, data_fingerprint,
-                            unpinned_hub_data, vocab_size_check)
+                            tokenize_threads, unpinned_hub_data, vocab_size_check)
 from membudget.diagnostics import Diagnostics
 from membudget.console import quiet_log_file_errors
 from membudget.errors import Stopped, UserError
@@ -44,6 +44,7 @@ from membudget.metrics import (
     ActivationCounter,
     MetricsWriter,
     Progress,
+    data_wait_line,
     device_peak_flops,
     flops_per_token,
     init_wandb,
@@ -187,6 +188,7 @@ class StepResult:
     grad_norm: torch.Tensor
     activation_bytes: int
     per_block: list[int]
+    data_wait_s: float = 0.0  # how long the step waited for its batch (the data path could not keep up)
     skipped: bool = False
 
 
@@ -314,8 +316,10 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     vocab_size_check(tokenizer, cfg.model.vocab_size)
     mesh = build_mesh(cfg.parallelism, launch, device)
     dp_rank, dp_size = dp_coordinates(mesh)
+    threads = tokenize_threads(cfg.data, cfg.tokenizer, local_ranks)
     batches = TokenBatches(cfg.data, tokenizer, cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.seed,
-                           dp_rank=dp_rank, dp_size=dp_size)
+                           dp_rank=dp_rank, dp_size=dp_size, threads=threads)
+    stack.callback(batches.close)
     # read (and rewind) the first batch now: data with no text at all fails before any artefact is written
     first = batches.state_dict()
     next(batches)
@@ -361,7 +365,9 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
 
 def train_step(run: Run) -> StepResult:
     """One optimizer step's forward and backward over its micro-batches, and the gradient clip."""
+    waited = time.perf_counter()
     inputs, labels = next(run.batches)
+    waited = time.perf_counter() - waited
     inputs = inputs.to(run.device, non_blocking=True)
     labels = labels.to(run.device, non_blocking=True)
     micro, n_micro = run.shape.micro_batch, run.shape.n_micro
@@ -375,7 +381,7 @@ def train_step(run: Run) -> StepResult:
             activation_bytes, per_block = nbytes, _blocks(run.counter.last_per_block, run.model)
         loss_sum += loss
     grad_norm = clip_grad_norm(run.model, run.cfg.train.max_grad_norm)
-    return StepResult(loss_sum / n_micro, grad_norm, activation_bytes, per_block)
+    return StepResult(loss_sum / n_micro, grad_norm, activation_bytes, per_block, data_wait_s=waited)
 
 
 def _blocks(per_block: dict, model) -> list[int]:
@@ -465,18 +471,19 @@ def apply_step(run: Run, result: StepResult, stop: StopSignals, step: int) -> tu
     return True, why
 
 
-def log_step(run: Run, step: int, result: StepResult, lr: float, seconds_per_step: float) -> dict[str, Any]:
-    """One metrics row, reduced over ranks: the mean loss, the slowest rank's step time and the largest rank's
-    memory (per rank figures). The interval's peak memory is reset for the next row."""
+def log_step(run: Run, step: int, result: StepResult, lr: float, seconds_per_step: float,
+             data_wait_s: float) -> dict[str, Any]:
+    """One metrics row, reduced over ranks: the mean loss, the slowest rank's step time and wait for data, and the
+    largest rank's memory (per rank figures). The interval's peak memory is reset for the next row."""
     (loss,) = all_reduce([local_tensor(result.loss).item()], dist.ReduceOp.SUM, run.device)
     loss /= run.launch.world_size  # TP peers hold equal losses: the mean over data-parallel ranks
     memory = peak_memory(run.device)
     offloader = find_offloader(run.model)
     host = offloader.peak_host_bytes if offloader is not None else 0
-    maxima = all_reduce([seconds_per_step, result.activation_bytes, host, *memory.values(), *result.per_block],
-                        dist.ReduceOp.MAX, run.device)
-    seconds, activation_bytes, host = maxima[0], int(maxima[1]), int(maxima[2])
-    memory = dict(zip(memory, map(int, maxima[3:3 + len(memory)])))
+    maxima = all_reduce([seconds_per_step, data_wait_s, result.activation_bytes, host, *memory.values(),
+                         *result.per_block], dist.ReduceOp.MAX, run.device)
+    seconds, data_wait_s, activation_bytes, host = maxima[0], maxima[1], int(maxima[2]), int(maxima[3])
+    memory = dict(zip(memory, map(int, maxima[4:4 + len(memory)])))
     reset_peak_memory(run.device)
     if offloader is not None:  # the interval's peak starts again
         offloader.peak_host_bytes = offloader.held_host_bytes
@@ -491,8 +498,9 @@ def log_step(run: Run, step: int, result: StepResult, lr: float, seconds_per_ste
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": per_device,
         "step_time_s": seconds,
+        "data_wait_s": data_wait_s,
         "activation_bytes": activation_bytes,
-        "activation_bytes_per_block": [int(b) for b in maxima[3 + len(memory):]],
+        "activation_bytes_per_block": [int(b) for b in maxima[4 + len(memory):]],
         **memory,
         "offload_host_bytes": host if offloader is not None else None,
         "mfu": per_device * flops / peak_flops if peak_flops else None,
@@ -527,7 +535,7 @@ def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnosti
     t = run.cfg.train
     if run.start_step < t.steps:
         stop_before_training(run, stop)
-    interval_start, interval_steps = time.perf_counter(), 0
+    interval_start, interval_steps, interval_wait = time.perf_counter(), 0, 0.0
     for step in range(run.start_step + 1, t.steps + 1):
         first = step == run.start_step + 1
         if first and compile_enabled(run.cfg):
@@ -538,6 +546,7 @@ def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnosti
         lr = run.optimizer.param_groups[0]["lr"]  # what this step's optimizer step uses
         stop_now, diverged = apply_step(run, result, stop, step)
         interval_steps += 1
+        interval_wait += result.data_wait_s
         progress.advance(1)
         if first and compile_enabled(run.cfg):
             run.compile_s = time.perf_counter() - interval_start
@@ -549,8 +558,8 @@ def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnosti
             _sync(run.device)
             _at("the all-reduce of the metrics", step)
             seconds = (time.perf_counter() - interval_start) / interval_steps
-            progress.update(log_step(run, step, result, lr, seconds))
-            interval_start, interval_steps = time.perf_counter(), 0
+            progress.update(log_step(run, step, result, lr, seconds, interval_wait / interval_steps))
+            interval_start, interval_steps, interval_wait = time.perf_counter(), 0, 0.0
         if diverged:
             raise LossNotFinite(diverged)
         if run.cfg.checkpoint.enabled and (stop_now or run.checkpointer.due(step, t.steps)):
@@ -584,6 +593,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "median_steps": [steady[0]["step"], steady[-1]["step"]] if steady else None,  # what the medians cover
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
         "median_step_time_s": statistics.median(r["step_time_s"] for r in steady) if steady else None,
+        "median_data_wait_s": statistics.median(r["data_wait_s"] for r in steady) if steady else None,
         "peak_memory_bytes": max((r["peak_memory_bytes"] for r in run.rows), default=None),
         "steady_peak_memory_bytes": max((r["peak_memory_bytes"] for r in steady), default=None),
         "offload_host_bytes": max((r["offload_host_bytes"] or 0 for r in run.rows), default=None)
@@ -652,6 +662,8 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
                 finally:
                     progress.close()
                 summary = summarize(run)
+                if waited := data_wait_line(summary):
+                    log.warning(waited)
                 log.info("done: %s; final loss %s, median %.0f tok/s over %s, activations %.1f MiB, peak memory "
                          "%.2f GiB", run.label, summary["final_loss"], summary["median_tokens_per_s"] or 0,
                          _steps_words(summary["median_steps"]), (summary["activation_bytes"] or 0) / MiB,

@@ -176,6 +176,7 @@ CASES = [
     run("resume-missing", "checkpoint.resume", "checkpoint.resume=/nonexistent/step_0000010"),
     # ---- data and tokenizer files ({tmp}: a folder of prepared bad files)
     run("prefetch-negative", "data.prefetch", "data.prefetch=-1"),
+    run("tokenize-threads-zero", "data.tokenize_threads", "data.tokenize_threads=0"),
     run("text-without-path", "data.path", "data=text"),
     run("text-missing-path", "data.path", "data=text", "data.path=/nonexistent"),
     run("text-empty-file", "data.path", "data=text", "data.path={tmp}/empty.txt"),

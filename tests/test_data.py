@@ -19,6 +19,7 @@ from membudget.data import (
     LLAMA3_SPECIAL_TOKENS,
     ByteTokenizer,
     Documents,
+    Llama3Tokenizer,
     Prefetcher,
     TokenBatches,
     build_tokenizer,
@@ -539,6 +540,49 @@ def test_prefetcher_raises_the_data_threads_error_in_order(tmp_path):
         assert prefetcher.state_dict()["step"] == 2
     finally:
         prefetcher.close()
+
+
+def test_tokenizing_threads_give_the_batches_and_positions_of_one_thread(tmp_path):
+    """data.tokenize_threads reads documents ahead and tokenizes them in parallel: the same batches and the same
+    positions as one thread, over epochs, and resumes from any of them give the same batches. A streamed Hub
+    dataset's position (the batches are behind the stream by the read-ahead, across the stream's batch boundaries)
+    and a local corpus alike; a BPE tokenizer, as data.tokenize_threads=null only threads for one."""
+    tokenizer = Llama3Tokenizer(write_bpe(tmp_path / "tokenizer.model"))
+    write_jsonl(tmp_path / "a.jsonl", [{"text": f"the {i} th" * (i % 7)} for i in range(700)])  # empty ones too
+    corpora = {"hf": DataConfig(name="hf", hf_path="json", hf_data_files=str(tmp_path / "a.jsonl")),
+               "jsonl": DataConfig(name="jsonl", path=str(tmp_path / "a.jsonl"))}
+    for name, cfg in corpora.items():
+        make = lambda threads: TokenBatches(cfg, tokenizer, global_batch_size=3, seq_len=47,  # noqa: E731
+                                            seed=0, threads=threads)
+        one, three = make(1), make(3)
+        states, batches = [], []
+        while len(batches) < 120:  # about 1.2 epochs
+            states.append(json.loads(json.dumps(one.state_dict())))
+            assert json.loads(json.dumps(three.state_dict())) == states[-1], (name, len(batches))
+            batches.append(next(one))
+            assert torch.equal(next(three)[0], batches[-1][0]), (name, len(batches))
+        assert one.epoch == 1 and three._pool is not None
+        for i in range(1, 115, 19):
+            resumed = make(3)
+            resumed.load_state_dict(states[i])
+            for want in batches[i:i + 5]:
+                assert torch.equal(next(resumed)[0], want[0]), (name, i)
+            resumed.close()
+        three.close()
+
+
+def test_a_document_that_cannot_be_read_is_raised_at_its_turn_with_tokenizing_threads(tmp_path):
+    """Bad JSON read ahead by the tokenizing threads: the batches before it arrive, then the error one thread
+    raises, on the same step."""
+    tokenizer = Llama3Tokenizer(write_bpe(tmp_path / "tokenizer.model"))
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "x" * 38}])
+    (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n{"text": oops\n')
+    cfg = DataConfig(name="jsonl", path=str(tmp_path))
+    one, four = (TokenBatches(cfg, tokenizer, global_batch_size=2, seq_len=7, seed=0, threads=n) for n in (1, 4))
+    for _ in range(2):
+        assert torch.equal(next(one)[0], next(four)[0])
+    assert one_line_error("data.path", next, four) == one_line_error("data.path", next, one)
+    four.close()
 
 
 def test_prefetcher_close_stops_the_thread():

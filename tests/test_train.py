@@ -5,6 +5,7 @@ import gc
 import json
 import logging
 import math
+import statistics
 
 import pytest
 
@@ -107,6 +108,24 @@ def test_readme_command_runs_as_typed_with_inductor(tmp_path, monkeypatch):
     assert resumed["activation_bytes"] == summary["activation_bytes"]
     hits, misses = (compile_counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss"))
     assert hits >= 1 and not misses, dict(compile_counters)
+
+
+def test_what_a_step_waits_for_its_data_is_measured_and_a_slow_data_path_named(tmp_path):
+    """data_wait_s: how long each step waited for its batch (the slowest rank's, per logged interval), here with
+    the data read in the loop (data.prefetch=0); its median over the steady steps is in the summary. A median
+    above DATA_WAIT_SHARE of the step is named at the end, with what to raise."""
+    from membudget.metrics import DATA_WAIT_SHARE, data_wait_line
+
+    summary = train_here(tmp_path / "run", *TINY, "data.prefetch=0", "train.steps=4", "checkpoint.enabled=false")
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 4 and all(0 < r["data_wait_s"] < r["step_time_s"] for r in rows), rows
+    assert summary["median_data_wait_s"] == statistics.median(r["data_wait_s"] for r in rows[1:])
+    line = data_wait_line({"median_data_wait_s": 0.06, "median_step_time_s": 1.0})
+    assert line.startswith("the steps waited 0.06 s each for their batches, 6% of a step") and \
+        "data.tokenize_threads" in line and "data.prefetch" in line
+    for quiet in ({"median_data_wait_s": DATA_WAIT_SHARE, "median_step_time_s": 1.0},
+                  {"median_data_wait_s": None, "median_step_time_s": None}):
+        assert data_wait_line(quiet) is None
 
 
 def test_a_compile_cache_torch_cannot_read_is_one_warning(tmp_path, caplog, capfd):
