@@ -204,21 +204,6 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 # --- where rows go ------------------------------------------------------------------------------------------
 
-# A run whose steps wait longer than this share of a step for their batches is told so: the data path (reading,
-# and every rank tokenizing the whole global batch) is slower than the GPUs
-DATA_WAIT_SHARE = 0.05
-
-
-def data_wait_line(summary: dict[str, Any]) -> Optional[str]:
-    """A line when the run's steps waited for their batches (medians over the steady steps), else None."""
-    wait, step = summary.get("median_data_wait_s"), summary.get("median_step_time_s")
-    if not wait or not step or wait <= DATA_WAIT_SHARE * step:
-        return None
-    return (f"the steps waited {wait:.3g} s each for their batches, {wait / step:.0%} of a step: every rank reads and "
-            "tokenizes the whole global batch; raise data.tokenize_threads (a BPE tokenizer) or data.prefetch, or "
-            "read the data from faster storage")
-
-
 def finite_row(row: dict[str, Any]) -> dict[str, Any]:
     """A row that JSON can hold: non-finite floats become null and are named under `nonfinite`."""
     bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]

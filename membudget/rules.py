@@ -3,7 +3,8 @@
 Types, keys and choices are the schema's job (Hydra rejects them at composition); what is left is how values
 relate: a budget needs a compiler that reads it, mesh degrees must multiply to the world size, a TP degree must
 divide the heads. Each failure is a UserError of one line: `key=value: what is wrong; the fix`, and every
-override a fix suggests composes (tests/test_bad_input.py checks that).
+override a fix suggests composes (tests/test_bad_input.py checks that). After a run, one rule reads its
+measurements: whether its steps waited for their data (data_wait_line).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from enum import Enum
-from typing import Any
+from typing import Any, Optional
 
 from membudget.errors import UserError
 from membudget.schema import (
@@ -378,3 +379,19 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     check_parallelism(cfg, world_size)
     check_train(cfg, world_size)
 
+
+# --- after a run: what its measurements say
+
+# A run whose steps wait longer than this share of a step for their batches is told so: the data path (reading,
+# and every rank tokenizing the whole global batch) is slower than the GPUs
+DATA_WAIT_SHARE = 0.05
+
+
+def data_wait_line(summary: dict[str, Any]) -> Optional[str]:
+    """A line when the run's steps waited for their batches (medians over the steady steps), else None."""
+    wait, step = summary.get("median_data_wait_s"), summary.get("median_step_time_s")
+    if not wait or not step or wait <= DATA_WAIT_SHARE * step:
+        return None
+    return (f"the steps waited {wait:.3g} s each for their batches, {wait / step:.0%} of a step: every rank reads and "
+            "tokenizes the whole global batch; raise data.tokenize_threads (a BPE tokenizer) or data.prefetch, or "
+            "read the data from faster storage")

@@ -44,7 +44,6 @@ from membudget.metrics import (
     ActivationCounter,
     MetricsWriter,
     Progress,
-    data_wait_line,
     device_peak_flops,
     flops_per_token,
     init_wandb,
@@ -57,7 +56,7 @@ from membudget.metrics import (
 from membudget.model import num_params
 from membudget.offload import find_offloader
 from membudget.parallel import all_reduce, broadcast_object, build_mesh, clip_grad_norm, dp_coordinates, gradient_sync
-from membudget.rules import compile_enabled, validate
+from membudget.rules import compile_enabled, data_wait_line, validate
 from membudget.rundir import RunDirLock, start_fresh
 from membudget.schema import (ACMode, NonFinite, ac_label, block_policies, budget_of, compact_policies, is_auto,
                               resolved)

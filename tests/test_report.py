@@ -28,7 +28,8 @@ from tests.wandb_offline import find_offline_runs, read_offline_run, read_offlin
 
 
 def _write_job(sweep: Path, num: int, ac: dict, *, steps=6, loss_shift=0.0, step_time=0.1, act=100 * MiB,
-               status="completed", summary=True, wandb=None, overrides=None, compiled=True, nonfinite_at=None):
+               status="completed", summary=True, wandb=None, overrides=None, compiled=True, nonfinite_at=None,
+               data_wait=0.0):
     """A job dir as Hydra and the trainer write it: .hydra/{config,overrides}.yaml, metrics.jsonl (a
     non-finite loss is null and named under `nonfinite`, that step `skipped`), summary.json."""
     job = sweep / str(num)
@@ -54,7 +55,7 @@ def _write_job(sweep: Path, num: int, ac: dict, *, steps=6, loss_shift=0.0, step
         (job / "summary.json").write_text(json.dumps({
             "status": status, **({"error": "RuntimeError: boom"} if status == "failed" else {}),
             "num_params": 1000, "steps": steps, "final_loss": losses[-1], "median_tokens_per_s": 1000 / step_time,
-            "median_step_time_s": step_time, "peak_memory_bytes": int(2 * act),
+            "median_step_time_s": step_time, "median_data_wait_s": data_wait, "peak_memory_bytes": int(2 * act),
             "steady_peak_memory_bytes": int(1.5 * act), "activation_bytes": int(act),
             "activation_bytes_per_block": per_block, "mfu": None, "skipped_steps": int(nonfinite_at is not None),
             "compile_s": 2.0 if compiled else None, "world_size": 1, "ac_mode": ac["mode"], "ac_label": ac_label(ac),
@@ -162,6 +163,18 @@ def test_nonfinite_loss_is_flagged_and_skipped_steps_are_named(tmp_path):
     a = report.analyse(report.load_sweep(sweep))
     assert _by_run(a)["full"]["loss_flagged"] is True and _by_run(a)["full"]["skipped_steps"] == 1
     assert any("1 steps skipped" in line for line in a.verdict)
+
+
+def test_a_job_whose_steps_waited_for_data_is_named(tmp_path):
+    """A job's step time that is partly its data path's (median data wait above rules.DATA_WAIT_SHARE of a step)
+    is said under the table, since it is not its AC setting's; report.csv has the wait of every job."""
+    sweep = tmp_path / "sweep"
+    _write_job(sweep, 0, {"mode": "none"}, data_wait=0.001)
+    _write_job(sweep, 1, {"mode": "full"}, step_time=0.2, data_wait=0.05)
+    a = report.analyse(report.load_sweep(sweep))
+    assert [r["median_data_wait_s"] for r in a.rows] == [0.001, 0.05]
+    [line] = [line for line in a.verdict if "waited" in line]
+    assert line.startswith("- Job 1 (full): the steps waited 0.05 s each for their batches, 25% of a step")
 
 
 def test_without_none_run_comparison_is_skipped(tmp_path):

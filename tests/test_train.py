@@ -114,7 +114,7 @@ def test_what_a_step_waits_for_its_data_is_measured_and_a_slow_data_path_named(t
     """data_wait_s: how long each step waited for its batch (the slowest rank's, per logged interval), here with
     the data read in the loop (data.prefetch=0); its median over the steady steps is in the summary. A median
     above DATA_WAIT_SHARE of the step is named at the end, with what to raise."""
-    from membudget.metrics import DATA_WAIT_SHARE, data_wait_line
+    from membudget.rules import DATA_WAIT_SHARE, data_wait_line
 
     summary = train_here(tmp_path / "run", *TINY, "data.prefetch=0", "train.steps=4", "checkpoint.enabled=false")
     rows = read_metrics(tmp_path / "run")

@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+from membudget.rules import data_wait_line
 from membudget.units import fmt_bytes
 from membudget.report.jobs import Job, Sweep
 
@@ -25,7 +26,7 @@ COLUMNS = [
     "offload_host_bytes", "activation_bytes",
     "planned_activation_bytes", "activation_vs_planned", "activation_bytes_per_block", "peak_memory_bytes",
     "planned_peak_memory_bytes", "steady_peak_memory_bytes", "median_tokens_per_s", "median_step_time_s",
-    "step_time_vs_none", "mfu", "compile_s", "skipped_steps", "final_loss", "max_abs_loss_diff", "loss_flagged",
+    "median_data_wait_s", "step_time_vs_none", "mfu", "compile_s", "skipped_steps", "final_loss", "max_abs_loss_diff", "loss_flagged",
     "pareto", "study",
 ]
 
@@ -85,6 +86,7 @@ def build_rows(sweep: Sweep, tolerance: float) -> tuple[list[dict[str, Any]], li
             "peak_memory_bytes": s.get("peak_memory_bytes"), "planned_peak_memory_bytes": None,
             "steady_peak_memory_bytes": s.get("steady_peak_memory_bytes"),
             "median_tokens_per_s": s.get("median_tokens_per_s"), "median_step_time_s": s.get("median_step_time_s"),
+            "median_data_wait_s": s.get("median_data_wait_s"),
             "step_time_vs_none": None, "mfu": s.get("mfu"), "compile_s": s.get("compile_s"),
             "skipped_steps": s.get("skipped_steps", len(job.skipped)), "final_loss": s.get("final_loss"),
             "max_abs_loss_diff": None, "loss_flagged": None, "pareto": None,
@@ -93,6 +95,8 @@ def build_rows(sweep: Sweep, tolerance: float) -> tuple[list[dict[str, Any]], li
         if row["skipped_steps"]:
             notes.append(f"Job {job.num} ({job.label}): {row['skipped_steps']} steps skipped (loss or gradient not "
                          "finite): its curve departs from ac=none from there on.")
+        if waited := data_wait_line(s):  # the step time is partly the data path's, not the AC setting's
+            notes.append(f"Job {job.num} ({job.label}): {waited}.")
         base = baselines.get(job.num)
         if base is None:
             if baselines:
