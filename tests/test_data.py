@@ -226,6 +226,7 @@ class _HubAnswering(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow  # a fresh interpreter, and huggingface_hub's five retries of a 429, a second apart
 def test_a_hub_that_refuses_is_named_with_its_status_and_the_fix(tmp_path):
     """datasets words every error of the Hub as "not found": a rate limit (HTTP 429, which a job's ranks all
     loading at once meet at scale) and a gated dataset (403) get their own cause and fix. A real HTTP server stands
