@@ -6,7 +6,7 @@ import json
 import pytest
 
 from membudget.errors import UserError
-from membudget.plan import choose, choose_or_explain, plan_setting
+from membudget.plan import Plan, choose, choose_or_explain, plan_setting
 from membudget.rules import validate
 from membudget.units import GiB, MiB, fmt_bytes
 from tests.conftest import FAST_COMPILE, compose_cfg, hydra_main_here
@@ -60,7 +60,6 @@ def test_one_setting_is_written_as_plan_json_and_md(tmp_path):
     assert "reserved peak (default allocator)" in text and "tokens/s per device" in text
     # plan.json reads back as the plan it was (what a resumed auto run keeps: auto.kept_choice), and one of
     # another version (a field missing) is refused
-    from membudget.plan import Plan
 
     written = json.loads((tmp_path / "plan.json").read_text())
     kept = Plan.from_dict(written)
@@ -80,7 +79,11 @@ def test_a_plan_of_a_run_with_the_profile_estimator_says_it_assumed_flops(tmp_pa
                              "train.device=cuda"), tmp_path)
     assert result["setting"]["runtime_estimator"] == "profile"
     said = "Recompute chosen as with ac.runtime_estimator=flops: the run's profile times each op on the GPU"
-    assert said in (tmp_path / "plan.md").read_text()
+    text = (tmp_path / "plan.md").read_text()
+    assert said in text
+    # what every rank must tokenize: the whole global batch, at the job's planned tokens/s in all
+    tokens_per_s = Plan.from_dict(result).tokens_per_s
+    assert f"Every rank reads and tokenizes the whole global batch: {tokens_per_s / 1e6:.3g} M tokens/s" in text
     assert "ac.runtime_estimator" not in plan_markdown(plan())  # a flops run's plan: nothing to say
 
 
