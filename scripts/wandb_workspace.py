@@ -61,6 +61,7 @@ def main() -> None:
             ws.Section(name="Loss", is_open=True, panels=[
                 wr.LinePlot(title="loss", x="Step", y=["loss"]),
                 wr.LinePlot(title="tokens/s", x="Step", y=["tokens_per_s"]),
+                wr.LinePlot(title="waiting for data (s a step)", x="Step", y=["data_wait_s"]),
             ]),
             ws.Section(name="Memory vs speed", is_open=True, panels=[
                 wr.ScatterPlot(title="activation memory vs step time", x=memory, y=step_time),
