@@ -652,7 +652,9 @@ def tokenize_threads(cfg: DataConfig, tokenizer: TokenizerConfig, local_ranks: i
         return cfg.tokenize_threads
     if tokenizer.name == TokenizerName.byte or cfg.name == DataName.synthetic:
         return 1
-    return max(1, min(TOKENIZE_THREADS_MOST, len(os.sched_getaffinity(0)) // max(local_ranks, 1)))
+    # the CPUs this process may run on (SLURM's binding, taskset), where the OS says (Linux); else the machine's
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(TOKENIZE_THREADS_MOST, cpus // max(local_ranks, 1)))
 
 
 class TokenBatches:

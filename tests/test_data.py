@@ -572,6 +572,18 @@ def test_tokenizing_threads_give_the_batches_and_positions_of_one_thread(tmp_pat
         three.close()
 
 
+def test_tokenize_threads_default_to_the_ranks_share_of_its_cpus_for_a_bpe_tokenizer():
+    from membudget.data import TOKENIZE_THREADS_MOST, tokenize_threads
+
+    bpe, byte = TokenizerConfig(name="tiktoken"), TokenizerConfig()
+    cpus = len(os.sched_getaffinity(0))
+    assert tokenize_threads(DataConfig(), bpe, 1) == max(1, min(TOKENIZE_THREADS_MOST, cpus))
+    assert tokenize_threads(DataConfig(), bpe, 4 * cpus) == 1  # more ranks on the node than CPUs: one each
+    assert tokenize_threads(DataConfig(), byte, 1) == 1  # numpy outruns threads
+    assert tokenize_threads(DataConfig(name="synthetic"), bpe, 1) == 1
+    assert tokenize_threads(DataConfig(tokenize_threads=5), byte, 8) == 5  # the user's word
+
+
 def test_a_document_that_cannot_be_read_is_raised_at_its_turn_with_tokenizing_threads(tmp_path):
     """Bad JSON read ahead by the tokenizing threads: the batches before it arrive, then the error one thread
     raises, on the same step."""
