@@ -678,11 +678,14 @@ class TokenBatches:
         local = global_batch_size // dp_size
         self.rows = slice(dp_rank * local, (dp_rank + 1) * local)
         self._documents = None if cfg.name == DataName.synthetic else Documents(cfg)
+        self._peeked: Optional[tuple[dict, tuple[torch.Tensor, torch.Tensor]]] = None  # (position before, batch)
         self.load_state_dict({"step": 0, "epoch": 0, "doc": 0, "offset": 0})
 
     def state_dict(self) -> dict:
         """Where the next batch starts: `offset` tokens into document `doc` of epoch `epoch`; for a streamed
         Hugging Face dataset also the stream's position at or before that document (`hub`)."""
+        if self._peeked is not None:
+            return dict(self._peeked[0])
         state = {"step": self.step, "epoch": self.epoch, "doc": self.doc, "offset": self.offset}
         if isinstance(self._docs, HubDocuments):
             state["hub"] = self._docs.position(self.doc)
@@ -691,12 +694,25 @@ class TokenBatches:
     def load_state_dict(self, state: dict) -> None:
         self.step, self.epoch, self.doc, self.offset = state["step"], state["epoch"], state["doc"], state["offset"]
         self._tokens: Optional[np.ndarray] = None  # tokens of document `doc`, read when first needed
+        self._peeked = None
         self._open_reader(state.get("hub"))
+
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next batch, read now and still handed out by the next `next()`, with the position before it until
+        then: the trainer's check that the data has text, before anything is written, without reading the batch
+        (and opening a Hub stream) a second time."""
+        if self._peeked is None:
+            before = self.state_dict()
+            self._peeked = (before, next(self))
+        return self._peeked[1]
 
     def __iter__(self) -> TokenBatches:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._peeked is not None:
+            batch, self._peeked = self._peeked[1], None
+            return batch
         shape = (self.global_batch_size, self.seq_len + 1)
         if self.cfg.name == DataName.synthetic:
             # numpy mixes (seed, step) into one stream; torch's CPU generator would keep only 32 bits of a seed.

@@ -319,10 +319,7 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     batches = TokenBatches(cfg.data, tokenizer, cfg.train.global_batch_size, cfg.train.seq_len, cfg.train.seed,
                            dp_rank=dp_rank, dp_size=dp_size, threads=threads)
     stack.callback(batches.close)
-    # read (and rewind) the first batch now: data with no text at all fails before any artefact is written
-    first = batches.state_dict()
-    next(batches)
-    batches.load_state_dict(first)
+    batches.peek()  # the first batch read now: data with no text at all fails before any artefact is written
 
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, device, mesh, numerics)

@@ -467,6 +467,29 @@ def test_a_hub_dataset_is_loaded_once_however_often_the_batches_reread_it(tmp_pa
     assert loads == ["json"]
 
 
+def test_a_peeked_batch_is_read_once_and_handed_out_next(tmp_path, monkeypatch):
+    """The trainer's check of the first batch (TokenBatches.peek): the batch is read once and is still the next
+    one, with the position before it until then, where a rewind read it and opened the stream a second time."""
+    write_jsonl(tmp_path / "d.jsonl", [{"text": f"document {i}"} for i in range(400)])
+    cfg = DataConfig(name="hf", hf_path="json", hf_data_files=str(tmp_path / "d.jsonl"))
+    reads = []
+    read = Documents.read
+    monkeypatch.setattr(Documents, "read", lambda self, *a, **k: reads.append(a or k) or read(self, *a, **k))
+    plain, peeked = (TokenBatches(cfg, ByteTokenizer(), global_batch_size=2, seq_len=15, seed=0) for _ in range(2))
+    start = peeked.state_dict()
+    first = peeked.peek()
+    assert peeked.state_dict() == start and peeked.peek() is first
+    for _ in range(5):
+        a, b = next(plain), next(peeked)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert peeked.state_dict() == plain.state_dict()
+    assert len(reads) == 2  # each opened its stream once
+    resumed = TokenBatches(cfg, ByteTokenizer(), global_batch_size=2, seq_len=15, seed=0)
+    resumed.peek()
+    resumed.load_state_dict(plain.state_dict())  # a resume drops the peeked batch
+    assert torch.equal(next(resumed)[0], next(plain)[0])
+
+
 def test_synthetic_is_seeded():
     def batches(seed):
         it = TokenBatches(DataConfig(name="synthetic"), ByteTokenizer(), 4, 16, seed=seed)
