@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from membudget import compile_cache
+from membudget import compile_cache, peers
 from membudget.ac import compiler_scope
 from membudget.auto import choose_for_run, write_plan
 from membudget.checkpoint import Checkpointer, config_changes, save_seconds
@@ -38,7 +38,7 @@ from membudget.diagnostics import Diagnostics
 from membudget.console import quiet_log_file_errors
 from membudget.errors import Stopped, UserError
 from membudget.fit import CHECKPOINT_BYTES_PER_PARAMETER, WEIGHT_BYTES, check_fits, check_host_fits
-from membudget.launch import (Heartbeat, Launch, check_same_run, init_distributed, launch_from_env, pick_device,
+from membudget.launch import (Launch, check_same_run, init_distributed, launch_from_env, pick_device,
                               warn_if_unused_allocation)
 from membudget.metrics import (
     ActivationCounter,
@@ -69,77 +69,6 @@ log = logging.getLogger("membudget")
 
 class LossNotFinite(UserError):
     """The loss or the gradient norm became NaN or inf: the run stops before the optimizer steps on it."""
-
-
-class PeerLost(UserError):
-    """Another rank died or stopped answering inside a collective: one line naming it, where, and what to rerun."""
-
-
-# where this rank is, for the line that names a peer which stopped answering: (what it was doing, the step)
-_WHERE: dict[str, Any] = {"phase": "setup (joining, checking the config, resuming)", "step": None}
-
-
-def _at(phase: str, step: Optional[int]) -> None:
-    _WHERE["phase"], _WHERE["step"] = phase, step
-
-
-_PEER_FAILURE = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "timed out",
-                 "Connection refused", "Broken pipe", "gloo", "NCCL")
-
-
-def _is_peer_failure(e: BaseException) -> bool:
-    """A collective that failed because a peer died or stalled (gloo's and NCCL's errors, c10d's DistError)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1) or isinstance(e, UserError):
-        return False
-    if isinstance(e, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(e, RuntimeError) and any(m in str(e) for m in _PEER_FAILURE)
-
-
-def _peer_lost_line(cfg, run_dir: Path, run: "Optional[Run]", error: BaseException) -> Optional[str]:
-    """The line for a collective that failed: the ranks whose heartbeat stopped, where, the setting, and the
-    checkpoint a rerun resumes from; None when every rank is alive and it was no timeout (not a peer's fault)."""
-    stopped = Heartbeat.stopped_ranks()
-    phase, step = _WHERE["phase"], _WHERE["step"]
-    saving = phase.startswith("the checkpoint save") and run is not None
-    setting = (f"checkpoint.timeout_s={run.checkpointer.timeout_s:g}" if saving
-               else f"parallelism.timeout_s={cfg.parallelism.timeout_s}")
-    if stopped:
-        who = _who_stopped(stopped)
-    elif stopped is None:
-        who = "another rank (the rendezvous store, gone with it, could not say which) stopped answering"
-    elif "timed out" in str(error).lower():
-        who = f"every rank is alive, but one waited longer than {setting.split('=')[0]} for the others"
-        setting += ": raise it if a step or save is that slow"
-    else:
-        return None
-    if not cfg.checkpoint.enabled:
-        resume = "checkpointing is off: rerunning the same command starts again from step 0"
-    else:
-        root = (run.run_dir if run is not None else Path(run_dir)) / "checkpoints"
-        done = sorted((p for p in root.glob("step_*") if (p / "manifest.json").is_file()), key=lambda p: p.name)
-        resume = (f"the last complete checkpoint is {done[-1].name}: rerun the same command to resume" if done
-                  else "no checkpoint was completed yet: rerunning the same command starts again from step 0")
-    at = f" at step {step}" if step is not None else ""
-    return f"{who} during {phase}{at} ({setting}); {resume}"
-
-
-# what a stopped rank's process_state says, singular and plural (its process is on this machine; None: elsewhere)
-_FATES = {"exited": ("died (its process on this machine is gone)",) * 2,
-          "suspended": ("is suspended (its process on this machine is stopped: SIGSTOP, or a debugger)",
-                        "are suspended (their processes on this machine are stopped: SIGSTOP, or a debugger)"),
-          "running": ("stopped answering (its process on this machine still runs: hung?)",
-                      "stopped answering (their processes on this machine still run: hung?)"),
-          None: ("stopped answering",) * 2}
-
-
-def _who_stopped(stopped: dict[int, Optional[str]]) -> str:
-    """'rank 1 died (...)', 'ranks 2, 3 stopped answering and rank 1 died (...)': the ranks grouped by fate."""
-    by_fate: dict[Optional[str], list[int]] = {}
-    for rank, state in sorted(stopped.items()):
-        by_fate.setdefault(state, []).append(rank)
-    return " and ".join(("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks)) + " "
-                        + _FATES[state][len(ranks) > 1] for state, ranks in by_fate.items())
 
 
 @dataclass
@@ -296,12 +225,12 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
         validate(cfg, launch.world_size)  # the choice too: e.g. full blocks compiled under TP
     else:
         chosen = inputs = None
-    _at("the check that every rank has the same config and data", None)
+    peers.at("the check that every rank has the same config and data", None)
     data = data_fingerprint(cfg.data, cfg.tokenizer)
     if unpinned := unpinned_hub_data(cfg.data):
         log.warning(unpinned)
     check_same_run(resolved(cfg), data, launch)  # before any model
-    _at("setup (the run dir, the model, resuming)", None)
+    peers.at("setup (the run dir, the model, resuming)", None)
     run_dir = _agree_on_run_dir(Path(run_dir), launch)
     quiet_log_file_errors()  # this rank's log file, if it follows rank 0's dir
     shape = StepShape.from_config(cfg, launch.world_size)
@@ -421,7 +350,7 @@ def stop_before_training(run: Run, stop: StopSignals) -> None:
     be stopped."""
     signals = _signals(run, stop)
     if dist.is_initialized():
-        _at("the all-reduce before the first step", None)
+        peers.at("the all-reduce before the first step", None)
         dist.all_reduce(signals, op=dist.ReduceOp.MAX)
     first = run.start_step + 1
     if _agree_to_stop(run, stop, [int(v) for v in signals.tolist()], f"before step {first}, with nothing to save"):
@@ -438,7 +367,7 @@ def apply_step(run: Run, result: StepResult, stop: StopSignals, step: int) -> tu
     # [not finite, the signal each rank received (0: none)]: every rank learns which signal reached which rank
     flags = torch.cat([bad.float().reshape(1), _signals(run, stop)])
     if dist.is_initialized():
-        _at(f"the all-reduce that ends step {step}", step)
+        peers.at(f"the all-reduce that ends step {step}", step)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     values = flags.tolist()
     nonfinite = values[0] > 0
@@ -537,7 +466,7 @@ def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnosti
         if first and compile_enabled(run.cfg):
             log.info("compiling %d blocks (%s) in the first step: it takes longer, and is kept out of the "
                      "median tokens/s", run.cfg.model.n_layers, run.cfg.compile.backend)
-        _at("the forward and backward (their collectives)", step)
+        peers.at("the forward and backward (their collectives)", step)
         result = train_step(run)
         lr = run.optimizer.param_groups[0]["lr"]  # what this step's optimizer step uses
         stop_now, diverged = apply_step(run, result, stop, step)
@@ -552,14 +481,14 @@ def loop(run: Run, stop: StopSignals, progress: Progress, diagnostics: Diagnosti
                 compile_cache.save(run.run_dir)  # for a later start of the run, wherever it lands
         if step % t.log_every == 0 or step == t.steps or stop_now or result.skipped:
             _sync(run.device)
-            _at("the all-reduce of the metrics", step)
+            peers.at("the all-reduce of the metrics", step)
             seconds = (time.perf_counter() - interval_start) / interval_steps
             progress.update(log_step(run, step, result, lr, seconds, interval_wait / interval_steps))
             interval_start, interval_steps, interval_wait = time.perf_counter(), 0, 0.0
         if diverged:
             raise LossNotFinite(diverged)
         if run.cfg.checkpoint.enabled and (stop_now or run.checkpointer.due(step, t.steps)):
-            _at("the checkpoint save", step)
+            peers.at("the checkpoint save", step)
             save_checkpoint(run, step)
         diagnostics.on_step_end(step)
         collect(step, first)
@@ -640,7 +569,7 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
     try:
         with contextlib.ExitStack() as stack:
             try:
-                _at("setup (joining, checking the config, resuming)", None)
+                peers.at("setup (joining, checking the config, resuming)", None)
                 run = setup(cfg, Path(run_dir), wandb_group, stack, stop)
                 log.info("model %s: %s parameters (%.1f MiB on this rank), %s, parallelism=%s on %s, rank %d/%d "
                          "pid %d", cfg.model.name, f"{num_params(run.model):,}",
@@ -667,10 +596,12 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
             except Stopped as e:  # at a step boundary, or while rank 0 planned (no run yet, nothing written)
                 summary, stopped = {**(summarize(run) if run else {}), "status": e.status, "stopped": str(e)}, e
             except BaseException as e:
-                line = _peer_lost_line(cfg, Path(run_dir), run, e) if _is_peer_failure(e) else None
+                line = (peers.peer_lost_line(cfg, run.run_dir if run else Path(run_dir),
+                                              run.checkpointer.timeout_s if run else None, e)
+                        if peers.is_peer_failure(e) else None)
                 if line is not None:  # a peer died or stalled in a collective: one line, no traceback
                     log.debug("collective failed: %s", e)
-                    failure = PeerLost(line)
+                    failure = peers.PeerLost(line)
                 summary["error"] = f"{type(failure or e).__name__}: {failure or e}"
                 if isinstance(e, KeyboardInterrupt):
                     summary["status"] = "interrupted"
@@ -689,7 +620,7 @@ def train(cfg, run_dir: Path, wandb_group: Optional[str] = None) -> dict[str, An
     finally:
         requeue = stop.previous.get(signal.SIGUSR2)
         stop.restore()
-        if isinstance(failure, PeerLost) and threading.current_thread() is threading.main_thread():
+        if isinstance(failure, peers.PeerLost) and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's shutdown: the line is said first
     if stopped is not None and stopped.status == "preempted":
         if callable(requeue):

@@ -313,7 +313,7 @@ def test_a_lost_ranks_process_is_told_running_suspended_or_dead_where_this_machi
     its parent reaps it) and reaped. A reused pid is the old process gone; an identity from another machine or PID
     namespace is not judged."""
     from membudget.launch import process_state
-    from membudget.trainer import _who_stopped
+    from membudget.peers import who_stopped
 
     child = subprocess.Popen(
         [sys.executable, "-c", "import time; from membudget.launch import process_identity; "
@@ -336,7 +336,7 @@ def test_a_lost_ranks_process_is_told_running_suspended_or_dead_where_this_machi
     assert process_state(f"{boot} {namespace} {os.getpid()} {int(started) + 1}") == "exited"
     assert process_state(f"another-boot {namespace} {os.getpid()} {started}") is None
     assert process_state(f"{boot} pid:[1] {os.getpid()} {started}") is None
-    assert _who_stopped({3: None, 1: "exited", 2: None}) == \
+    assert who_stopped({3: None, 1: "exited", 2: None}) == \
         "rank 1 died (its process on this machine is gone) and ranks 2, 3 stopped answering"
-    assert _who_stopped({1: "suspended", 2: "suspended"}).startswith("ranks 1, 2 are suspended (their processes")
+    assert who_stopped({1: "suspended", 2: "suspended"}).startswith("ranks 1, 2 are suspended (their processes")
 
