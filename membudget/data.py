@@ -203,9 +203,7 @@ class Documents:
             # columns of the first one, so a record with one more field anywhere later (a new key in a metadata
             # dict) fails the whole corpus (datasets issue #6162). Only text_field matters here.
             return _read_first_now(_jsonl_documents(cfg, self._files, start))
-        if isinstance(self._ds, _datasets().IterableDataset):
-            return HubDocuments(self._ds, cfg, start, resume)
-        return _read_first_now(_hf_texts(self._ds.skip(start), cfg, start))  # in memory: skip is a view
+        return HubDocuments(self._ds, cfg, start, resume)
 
 
 def _resolve_files(path: Optional[str], suffix: str) -> list[str]:
@@ -358,7 +356,8 @@ def _read_first_now(docs: Iterator[str]) -> Iterator[str]:
 
 
 def _load_hf(cfg: DataConfig):
-    """The Hugging Face dataset data.hf_* name (streamed or in memory), its text field checked."""
+    """The Hugging Face dataset data.hf_* name (streamed, or downloaded first: data.streaming), its text field
+    checked, as a stream."""
     datasets = _datasets()
     hub_options = " or ".join(f"data={o}" for o in options_setting("data", "name", DataName.hf))
     if not cfg.hf_path:
@@ -387,7 +386,8 @@ def _load_hf(cfg: DataConfig):
         raise
     if ds.features is not None and cfg.text_field not in ds.features:
         raise _field_error(cfg.text_field, f"the examples of {cfg.hf_path}", dict.fromkeys(ds.features))
-    return ds
+    # data.streaming=false: the downloaded dataset read as a stream of its tables, by the one reader (HubDocuments)
+    return ds if isinstance(ds, datasets.IterableDataset) else ds.to_iterable_dataset()
 
 
 # What to do about a Hub that answers with an error (huggingface_hub has retried it already)
@@ -420,14 +420,6 @@ READ_AHEAD, READ_AHEAD_MOST = 16, 128
 _MARKS = READ_AHEAD_MOST + 2  # HubDocuments' batch boundaries kept: one per batch of at least one document
 
 
-def _hf_texts(ds, cfg: DataConfig, start: int) -> Iterator[str]:
-    n = start
-    for batch in ds.select_columns([cfg.text_field]).with_format("python").iter(batch_size=HF_BATCH):
-        for text in _checked_texts(batch[cfg.text_field], cfg, n):
-            yield text
-            n += 1
-
-
 def _checked_texts(texts: list, cfg: DataConfig, first: int) -> list:
     for n, text in enumerate(texts, first):
         if not isinstance(text, str):
@@ -436,8 +428,8 @@ def _checked_texts(texts: list, cfg: DataConfig, first: int) -> list:
 
 
 class HubDocuments:
-    """A streamed Hugging Face dataset's documents from the `start`-th, which also says where each one lies in
-    the stream's own resumable position (`IterableDataset.state_dict`): a resumed run continues there, where
+    """A Hugging Face dataset's documents (streamed, or downloaded and read as a stream) from the `start`-th, which
+    also says where each one lies in the stream's own resumable position (`IterableDataset.state_dict`): a resumed run continues there, where
     `skip` streamed every document before it again (for C4 or FineWeb far into a run, every shard before it
     downloaded again before the first step). datasets restarts a position by reading its shard from the start, and
     the shard before when the position lies in its shard's first table. The first document is read at once: a bad

@@ -467,6 +467,26 @@ def test_a_hub_dataset_is_loaded_once_however_often_the_batches_reread_it(tmp_pa
     assert loads == ["json"]
 
 
+def test_a_downloaded_hub_dataset_reads_and_resumes_as_the_stream_does(tmp_path):
+    """data.streaming=false downloads the dataset first (an Arrow cache), then reads it as the stream is read: the
+    same batches, and a resume from a saved position gives the same batches in both."""
+    write_jsonl(tmp_path / "d.jsonl", [{"text": f"document {i} " * (i % 5)} for i in range(600)])
+    make = lambda streaming: TokenBatches(  # noqa: E731
+        DataConfig(name="hf", hf_path="json", hf_data_files=str(tmp_path / "d.jsonl"), streaming=streaming),
+        ByteTokenizer(), global_batch_size=2, seq_len=31, seed=0)
+    streamed, downloaded = make(True), make(False)
+    states, batches = [], []
+    for _ in range(60):
+        states.append(json.loads(json.dumps(downloaded.state_dict())))
+        batches.append(next(downloaded))
+        assert torch.equal(next(streamed)[0], batches[-1][0])
+    for i in (7, 41):
+        resumed = make(False)
+        resumed.load_state_dict(states[i])
+        for want in batches[i:i + 3]:
+            assert torch.equal(next(resumed)[0], want[0]), i
+
+
 def test_a_peeked_batch_is_read_once_and_handed_out_next(tmp_path, monkeypatch):
     """The trainer's check of the first batch (TokenBatches.peek): the batch is read once and is still the next
     one, with the position before it until then, where a rewind read it and opened the stream a second time."""
