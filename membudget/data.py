@@ -392,9 +392,10 @@ def _load_hf(cfg: DataConfig):
 
 # What to do about a Hub that answers with an error (huggingface_hub has retried it already)
 _HUB_LATER = "retry later, or read a copy on shared storage (data.hf_path=json or parquet, data.hf_data_files=...)"
+_HUB_GATED = "the dataset is gated or private: accept its terms on the Hub and set HF_TOKEN to a token with access"
 _HUB_FIXES = {
-    401: "the dataset is gated or private: accept its terms on the Hub and set HF_TOKEN to a token with access",
-    403: "the dataset is gated or private: accept its terms on the Hub and set HF_TOKEN to a token with access",
+    401: _HUB_GATED,
+    403: _HUB_GATED,
     429: "too many requests (each rank of a job loads the dataset): download it once to shared storage and read it "
          "there (data.hf_path=json or parquet, data.hf_data_files=...), or set HF_TOKEN for a larger quota",
 }

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from membudget.checkpoint import MANIFEST, saved_checkpoints
 from membudget.errors import UserError
 from membudget.launch import Heartbeat
 
@@ -59,8 +60,7 @@ def peer_lost_line(cfg, run_dir: Path, checkpoint_timeout_s: Optional[float], er
     if not cfg.checkpoint.enabled:
         resume = "checkpointing is off: rerunning the same command starts again from step 0"
     else:
-        root = Path(run_dir) / "checkpoints"
-        done = sorted((p for p in root.glob("step_*") if (p / "manifest.json").is_file()), key=lambda p: p.name)
+        done = [p for p in saved_checkpoints(run_dir) if (p / MANIFEST).is_file()]  # complete saves, oldest first
         resume = (f"the last complete checkpoint is {done[-1].name}: rerun the same command to resume" if done
                   else "no checkpoint was completed yet: rerunning the same command starts again from step 0")
     at = f" at step {step}" if step is not None else ""
