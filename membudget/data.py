@@ -9,7 +9,8 @@
 Documents are tokenized lazily, one at a time, wrapped in BOS/EOS and packed into one endless stream (the
 corpus repeats, epoch after epoch); the stream is cut into windows of seq_len + 1 tokens. Every rank reads the
 whole stream and keeps its own rows of the global batch, so a global batch is the same whatever the
-data-parallel size, and a position in the stream (epoch, document, token offset) is all a resume needs.
+data-parallel size, and a position in the stream (epoch, document, token offset) is all a resume needs. A token
+file (data=tokens, membudget.token_file) is that stream written once: each rank reads only its rows of it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from membudget.internals import no_datasets_download_counts
 from membudget.options import choices, option_for, options_setting
 from membudget.rules import check_global_batch
 from membudget.schema import DataConfig, DataName, TokenizerConfig, TokenizerName
+from membudget.token_file import COMMAND as PRETOKENIZE
+from membudget.token_file import META, TOKENS, TokenFile
 
 log = logging.getLogger("membudget")
 
@@ -65,11 +68,15 @@ class Tokenizer:
         """encode(text) (with BOS and EOS) as int64 ids: what the batches pack."""
         return np.asarray(self.encode(text), dtype=np.int64)
 
+    def identity(self) -> dict:
+        """What makes its ids: its name and vocabulary size (and its file's fingerprint), kept in a token file."""
+        return {"name": self.name, "vocab_size": self.vocab_size}
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as ids 0..255, then BOS=256 and EOS=257: no file needed, any text round-trips."""
 
-    vocab_size, bos_id, eos_id = 258, 256, 257
+    name, vocab_size, bos_id, eos_id = TokenizerName.byte.value, 258, 256, 257
 
     def _encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -106,7 +113,10 @@ _LONG_RUN = re.compile(r"\s{25000}|\S{25000}")
 class Llama3Tokenizer(Tokenizer):
     """Llama 3's tiktoken BPE from a local tokenizer.model; with Meta's file, vocab_size = 128000 + 256 = 128256."""
 
+    name = TokenizerName.tiktoken.value
+
     def __init__(self, path: str | None):
+        self.path = path
         fix = "point tokenizer.path at Meta's Llama 3 tokenizer.model (original/tokenizer.model in the model download)"
         if not path:
             option = option_for("tokenizer", "name", TokenizerName.tiktoken)
@@ -140,6 +150,9 @@ class Llama3Tokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.model.decode(list(ids))
+
+    def identity(self) -> dict:
+        return {**super().identity(), "file": file_fingerprint(self.path)}
 
 
 def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
@@ -523,25 +536,33 @@ def data_fingerprint(cfg: DataConfig, tokenizer: Optional[TokenizerConfig] = Non
     documents = _documents(cfg)
     if tokenizer is None or tokenizer.name != TokenizerName.tiktoken or tokenizer.path is None:
         return documents
-    path = os.path.expanduser(tokenizer.path)
+    return {**documents, "tokenizer": file_fingerprint(tokenizer.path)}
+
+
+def file_fingerprint(path: str) -> list:
+    """[name, size, digest] of a file read whole (a tokenizer's); size and digest None where it is missing."""
+    path = os.path.expanduser(path)
     if not os.path.isfile(path):  # build_tokenizer says so in one line
-        return {**documents, "tokenizer": [os.path.basename(path), None, None]}
+        return [os.path.basename(path), None, None]
     with open(path, "rb") as f:
         content = f.read()
-    return {**documents, "tokenizer": [os.path.basename(path), len(content), _digest(content)]}
+    return [os.path.basename(path), len(content), _digest(content)]
 
 
 def _documents(cfg: DataConfig) -> dict:
     """For data=text and jsonl (and data=hf with local data files) each file's name relative to their common
     directory, its size and a digest of its content (whole up to 1 MiB, else sampled; see the constants above);
-    for pydoc a digest of CPython's docs; nothing for synthetic data and the Hub (a dataset's name is in the
-    config)."""
+    for pydoc a digest of CPython's docs; for a token file its two files; nothing for synthetic data and the Hub (a
+    dataset's name is in the config)."""
     if cfg.name == DataName.pydoc:
         from pydoc_data.topics import topics
 
         return {"pydoc": _digest("\0".join(f"{key}\0{topics[key]}" for key in sorted(topics)).encode())}
     if cfg.name in (DataName.text, DataName.jsonl):
         files = _resolve_files(cfg.path, ".txt" if cfg.name == DataName.text else ".jsonl")
+    elif cfg.name == DataName.tokens and cfg.path:  # TokenFile says what is wrong with one that is not whole
+        root = os.path.expanduser(cfg.path)
+        files = [f for f in (os.path.join(root, META), os.path.join(root, TOKENS)) if os.path.isfile(f)]
     elif cfg.name == DataName.hf and cfg.hf_data_files:
         files = sorted(f for f in glob.glob(os.path.expanduser(cfg.hf_data_files), recursive=True) if os.path.isfile(f))
     else:
@@ -639,15 +660,91 @@ TOKENIZE_THREADS_MOST = 8
 
 
 def tokenize_threads(cfg: DataConfig, tokenizer: TokenizerConfig, local_ranks: int) -> int:
-    """data.tokenize_threads, or what null means: 1 for the byte tokenizer (and synthetic data), else this
-    process's CPUs shared among its node's `local_ranks`, at most TOKENIZE_THREADS_MOST."""
+    """data.tokenize_threads, or what null means: 1 for the byte tokenizer (and for synthetic data and a token
+    file, which need no tokenizing), else this process's CPUs shared among its node's `local_ranks`, at most
+    TOKENIZE_THREADS_MOST."""
     if cfg.tokenize_threads is not None:
         return cfg.tokenize_threads
-    if tokenizer.name == TokenizerName.byte or cfg.name == DataName.synthetic:
+    if tokenizer.name == TokenizerName.byte or cfg.name in (DataName.synthetic, DataName.tokens):
         return 1
     # the CPUs this process may run on (SLURM's binding, taskset), where the OS says (Linux); else the machine's
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(TOKENIZE_THREADS_MOST, cpus // max(local_ranks, 1)))
+
+
+def read_ahead(threads: int) -> int:
+    """Documents read ahead of the one being packed by `threads` tokenizing threads (one: none ahead)."""
+    return min(READ_AHEAD * threads, READ_AHEAD_MOST) if threads > 1 else 1
+
+
+class TokenizedDocuments:
+    """The ids of `docs` (BOS, the text's, EOS, as int64), in order; an empty document gives none, not even BOS/EOS.
+    With a `pool` of threads, up to `ahead` documents are read and handed to it ahead of the one asked for
+    (tiktoken releases the GIL); without one, each is tokenized when asked for. A document that cannot be read
+    ends the reading, and its error is raised when its turn comes (the first document's: at once)."""
+
+    def __init__(self, docs: Iterator[str], tokenizer: Tokenizer, pool: Optional[ThreadPoolExecutor] = None,
+                 ahead: int = 1):
+        self._docs, self._tokenizer, self._pool, self._most = docs, tokenizer, pool, ahead
+        self._ahead: deque = deque()
+        self._read_all = False
+
+    def __iter__(self) -> TokenizedDocuments:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        self._read_ahead()
+        if not self._ahead:
+            raise StopIteration
+        item = self._ahead.popleft()
+        if isinstance(item, BaseException):  # the document that could not be read: its turn came
+            raise item
+        return item.result() if isinstance(item, Future) else item
+
+    def _read_ahead(self) -> None:
+        while len(self._ahead) < self._most and not self._read_all:
+            try:
+                text = next(self._docs)
+            except StopIteration:
+                self._read_all = True
+                break
+            except Exception as e:
+                if not self._ahead:
+                    raise
+                self._ahead.append(e)
+                self._read_all = True
+                break
+            self._ahead.append(self._tokens_of(text) if self._pool is None else
+                               self._pool.submit(self._tokens_of, text))
+
+    def _tokens_of(self, text: str) -> np.ndarray:
+        return self._tokenizer.encode_array(text) if text else np.empty(0, dtype=np.int64)
+
+
+def open_token_file(cfg: DataConfig, tokenizer: Tokenizer) -> TokenFile:
+    """data=tokens: the token file at data.path, made by this run's tokenizer (its name, vocabulary and file, by
+    size and content), else a line that names both and the fix."""
+    file = TokenFile(cfg.path)
+    made_by, this = file.meta.get("tokenizer") or {}, tokenizer.identity()
+
+    def key(identity: dict) -> tuple:
+        return identity.get("name"), identity.get("vocab_size"), (identity.get("file") or [None])[1:]
+
+    if key(made_by) != key(this):
+        raise UserError(f"data.path={cfg.path!r}: its tokens were made by {tokenizer_words(made_by)}, this run's "
+                        f"tokenizer is {tokenizer_words(this)}; set tokenizer= (and tokenizer.path) to the one it "
+                        f"was made with, or tokenize the source again with this one: {PRETOKENIZE}")
+    return file
+
+
+def tokenizer_words(identity: dict) -> str:
+    """A tokenizer as the user chose it: tokenizer=llama3 (tokenizer.model, 2,183,982 bytes), 128256 ids."""
+    name = identity.get("name")
+    words = option_for("tokenizer", "name", name) or f"tokenizer.name={name}"
+    file = identity.get("file")
+    if file:
+        words += f" ({file[0]}, " + ("missing" if file[1] is None else f"{file[1]:,} bytes") + ")"
+    return words + f", {identity.get('vocab_size')} ids"
 
 
 class TokenBatches:
@@ -656,6 +753,7 @@ class TokenBatches:
     The global batch is global_batch_size consecutive windows of the packed stream, identical for any dp_size;
     rank r keeps rows [r * B, (r + 1) * B). Labels are the inputs shifted by one token. data=synthetic draws
     uniform random ids instead, seeded by (seed, step); `seed` is used for nothing else (the corpus order is fixed).
+    data=tokens reads the stream from a token file, only rank r's rows of it.
     """
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, global_batch_size: int, seq_len: int, seed: int,
@@ -665,12 +763,12 @@ class TokenBatches:
         # `threads` tokenize the documents after the current one while this thread reads the next (tiktoken
         # releases the GIL), READ_AHEAD each; a document that cannot be read is raised when its turn comes
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="membudget-tokenize") if threads > 1 else None
-        self._read_ahead = min(READ_AHEAD * threads, READ_AHEAD_MOST) if threads > 1 else 1
-        self._ahead: deque = deque()
+        self._read_ahead = read_ahead(threads)
         self.global_batch_size, self.seq_len, self.seed = global_batch_size, seq_len, seed
         local = global_batch_size // dp_size
         self.rows = slice(dp_rank * local, (dp_rank + 1) * local)
-        self._documents = None if cfg.name == DataName.synthetic else Documents(cfg)
+        self._token_file = open_token_file(cfg, tokenizer) if cfg.name == DataName.tokens else None
+        self._documents = None if cfg.name in (DataName.synthetic, DataName.tokens) else Documents(cfg)
         self._peeked: Optional[tuple[dict, tuple[torch.Tensor, torch.Tensor]]] = None  # (position before, batch)
         self.load_state_dict({"step": 0, "epoch": 0, "doc": 0, "offset": 0})
 
@@ -710,24 +808,34 @@ class TokenBatches:
         if self.cfg.name == DataName.synthetic:
             # numpy mixes (seed, step) into one stream; torch's CPU generator would keep only 32 bits of a seed.
             rng = np.random.default_rng((self.seed, self.step))
-            windows = rng.integers(0, self.tokenizer.vocab_size, shape, dtype=np.int64)
+            windows = rng.integers(0, self.tokenizer.vocab_size, shape, dtype=np.int64)[self.rows]
+        elif self._token_file is not None:
+            windows = self._rows_of_token_file()
         else:
             # Every rank tokenizes the whole global batch, not only its rows: where rank r's rows start in the
             # stream depends on the token count of every document before them, which only tokenizing them
             # tells. That is what keeps the global batch identical for any data-parallel size (and a resume
             # position one (epoch, doc, offset) for all ranks); the Prefetcher's thread hides the cost.
-            windows = self._take(shape[0] * shape[1]).reshape(shape)
-        windows = torch.from_numpy(np.ascontiguousarray(windows[self.rows]))
+            windows = self._take(shape[0] * shape[1]).reshape(shape)[self.rows]
+        windows = torch.from_numpy(np.ascontiguousarray(windows))
         self.step += 1
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
+    def _rows_of_token_file(self) -> np.ndarray:
+        """This rank's rows of the next global batch, read from the token file (one document: `offset` counts
+        its tokens), and the position moved past the whole batch."""
+        window, length = self.seq_len + 1, len(self._token_file)
+        start = self.epoch * length + self.offset
+        rows = self._token_file.read(start + self.rows.start * window, (self.rows.stop - self.rows.start) * window)
+        self.epoch, self.offset = divmod(start + self.global_batch_size * window, length)
+        return rows.reshape(-1, window)
+
     def _open_reader(self, resume: Optional[dict] = None) -> None:
-        self._docs = None
-        self._ahead.clear()  # what was read ahead of the old position
-        self._read_all = False
-        if self._documents is None:  # synthetic
+        self._docs = self._tokenized = None  # what was read ahead of the old position is dropped
+        if self._documents is None:  # synthetic, a token file
             return
         self._docs = self._documents.read(start=self.doc, resume=resume)
+        self._tokenized = TokenizedDocuments(self._docs, self.tokenizer, self._pool, self._read_ahead)
         # An epoch read from its first document that yields no token means the corpus has no text at all.
         self._from_epoch_start, self._epoch_tokens = self.doc == 0, 0
 
@@ -747,8 +855,8 @@ class TokenBatches:
         return np.concatenate(chunks)
 
     def _read_document(self) -> np.ndarray:
-        self._read_ahead_now()
-        if not self._ahead:  # the epoch's end
+        tokens = next(self._tokenized, None)
+        if tokens is None:  # the epoch's end
             if self._from_epoch_start and self._epoch_tokens == 0:
                 hf = self.cfg.name == DataName.hf
                 key, value = ("data.hf_path", self.cfg.hf_path) if hf else ("data.path", self.cfg.path)
@@ -756,34 +864,8 @@ class TokenBatches:
             self.epoch, self.doc = self.epoch + 1, 0
             self._open_reader()
             return self._read_document()
-        item = self._ahead.popleft()
-        if isinstance(item, BaseException):  # the document that could not be read: its turn came
-            raise item
-        tokens = item.result() if isinstance(item, Future) else item
         self._epoch_tokens += len(tokens)
         return tokens
-
-    def _read_ahead_now(self) -> None:
-        """Documents read and handed to the tokenizing threads up to the read-ahead (one: tokenized here). One
-        that cannot be read ends the reading, as its error (the first: raised now)."""
-        while len(self._ahead) < self._read_ahead and not self._read_all:
-            try:
-                text = next(self._docs)
-            except StopIteration:
-                self._read_all = True
-                break
-            except Exception as e:
-                if not self._ahead:
-                    raise
-                self._ahead.append(e)
-                self._read_all = True
-                break
-            self._ahead.append(self._tokens_of(text) if self._pool is None else
-                               self._pool.submit(self._tokens_of, text))
-
-    def _tokens_of(self, text: str) -> np.ndarray:
-        # empty documents add nothing, not even BOS/EOS
-        return self.tokenizer.encode_array(text) if text else np.empty(0, dtype=np.int64)
 
     def close(self) -> None:
         """The tokenizing threads end (a run's end; the batches are not read after it)."""

@@ -392,6 +392,9 @@ def data_wait_line(summary: dict[str, Any]) -> Optional[str]:
     wait, step = summary.get("median_data_wait_s"), summary.get("median_step_time_s")
     if not wait or not step or wait <= DATA_WAIT_SHARE * step:
         return None
-    return (f"the steps waited {wait:.3g} s each for their batches, {wait / step:.0%} of a step: every rank reads and "
-            "tokenizes the whole global batch; raise data.tokenize_threads (a BPE tokenizer) or data.prefetch, or "
-            "read the data from faster storage")
+    waited = f"the steps waited {wait:.3g} s each for their batches, {wait / step:.0%} of a step"
+    if (summary.get("config") or {}).get("data", {}).get("name") == "tokens":  # nothing tokenized: the storage
+        return f"{waited}: raise data.prefetch, or copy the token file to faster storage"
+    return (f"{waited}: every rank reads and tokenizes the whole global batch; tokenize the corpus once (python -m "
+            "membudget.pretokenize, then data=tokens: each rank reads only its rows), or raise data.tokenize_threads "
+            "(a BPE tokenizer) or data.prefetch, or read the data from faster storage")

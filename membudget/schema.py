@@ -137,6 +137,7 @@ class DataName(Choice):
     jsonl = "jsonl"
     synthetic = "synthetic"
     hf = "hf"
+    tokens = "tokens"
 
 
 class LoggerName(Choice):
@@ -282,9 +283,10 @@ class TokenizerConfig:
 @dataclass
 class DataConfig:
     name: DataName = DataName.pydoc
-    """pydoc (CPython's docs, offline), text, jsonl, synthetic or hf (data=c4, data=fineweb_edu)."""
+    """pydoc (CPython's docs, offline), text, jsonl, synthetic, hf (data=c4, data=fineweb_edu) or tokens (a corpus
+    tokenized once by python -m membudget.pretokenize: each rank reads only its own rows)."""
     path: Optional[str] = None
-    """text/jsonl: a file, a directory or a glob."""
+    """text/jsonl: a file, a directory or a glob; tokens: the token file (a directory)."""
     text_field: str = "text"
     """jsonl/hf: the field holding the document text."""
     hf_path: Optional[str] = None

@@ -5,6 +5,11 @@ torchtitan's Table 3, need 0.72 M tokens/s on every rank; 512 need 2.9 M).
 
     python scripts/bench_tokenize.py --bpe /models/tokenizer.model          # Meta's file; any tiktoken BPE works
     python scripts/bench_tokenize.py --bpe FILE --threads 4 --pairs 7
+    python scripts/bench_tokenize.py --bpe FILE --token-file --dp 8         # one thread against data=tokens
+
+--token-file: the same corpus tokenized once (python -m membudget.pretokenize) and read as one rank of --dp
+data-parallel ranks reads it (data=tokens: its own rows only), against one tokenizing thread; both as the job's
+tokens/s that one rank keeps up with. The file is in the page cache here (just written): storage is not measured.
 
 Reads CPython's documentation (present everywhere) cut into documents of 2,200 characters (about 500 tokens, web
 text's size), as data=jsonl, in global batches of 32 x 8192 tokens, and prints each pair and the median ratio
@@ -25,8 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from omegaconf import OmegaConf  # noqa: E402
+
 from membudget.data import Documents, Llama3Tokenizer, TokenBatches  # noqa: E402
-from membudget.schema import DataConfig  # noqa: E402
+from membudget.pretokenize import pretokenize  # noqa: E402
+from membudget.schema import DataConfig, DataName, TokenizerConfig  # noqa: E402
 
 BATCH, SEQ, DOC_CHARS = 32, 8191, 2200
 
@@ -41,8 +49,10 @@ def corpus(folder: str) -> DataConfig:
     return DataConfig(name="jsonl", path=str(Path(folder) / "docs.jsonl"))
 
 
-def tokens_per_s(cfg: DataConfig, tokenizer, threads: int, batches: int) -> float:
-    data = TokenBatches(cfg, tokenizer, global_batch_size=BATCH, seq_len=SEQ, seed=0, threads=threads)
+def tokens_per_s(cfg: DataConfig, tokenizer, threads: int, batches: int, dp: int = 1) -> float:
+    """The job's tokens/s (global batches) that the last of `dp` ranks gets its rows at."""
+    data = TokenBatches(cfg, tokenizer, global_batch_size=BATCH, seq_len=SEQ, seed=0, threads=threads,
+                        dp_rank=dp - 1, dp_size=dp)
     try:
         next(data)  # the reader opened
         start = time.perf_counter()
@@ -59,20 +69,29 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--token-file", action="store_true", help="one thread against a token file (data=tokens)")
+    parser.add_argument("--dp", type=int, default=8, help="--token-file: the data-parallel ranks (BATCH's divisor)")
     args = parser.parse_args()
     tokenizer = Llama3Tokenizer(args.bpe)
-    print(f"{args.batches} batches of {BATCH} x {SEQ + 1} tokens, 1 thread against {args.threads}, "
+    other = f"a token file read as rank {args.dp - 1} of {args.dp}" if args.token_file else f"{args.threads} threads"
+    print(f"{args.batches} batches of {BATCH} x {SEQ + 1} tokens, 1 thread against {other}, "
           f"{len(os.sched_getaffinity(0))} CPUs")
     ratios = []
     with tempfile.TemporaryDirectory() as folder:
         cfg = corpus(folder)
+        if args.token_file:
+            bpe = TokenizerConfig(name="tiktoken", path=args.bpe)
+            both = OmegaConf.create({"data": OmegaConf.structured(cfg), "tokenizer": OmegaConf.structured(bpe)})
+            pretokenize(both, Path(folder) / "docs.tokens", threads=1)
+            file = DataConfig(name=DataName.tokens, path=str(Path(folder) / "docs.tokens"))
         for pair in range(args.pairs):
             one = tokens_per_s(cfg, tokenizer, 1, args.batches)
-            many = tokens_per_s(cfg, tokenizer, args.threads, args.batches)
+            many = (tokens_per_s(file, tokenizer, 1, args.batches, args.dp) if args.token_file else
+                    tokens_per_s(cfg, tokenizer, args.threads, args.batches))
             ratios.append(many / one)
-            print(f"pair {pair + 1}: 1 thread {one / 1e6:.2f} M tokens/s, {args.threads} threads "
+            print(f"pair {pair + 1}: 1 thread {one / 1e6:.2f} M tokens/s, {other} "
                   f"{many / 1e6:.2f} M tokens/s, ratio {many / one:.2f}")
-    print(f"median ratio {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f})")
+    print(f"median ratio {statistics.median(ratios):.3g} (range {min(ratios):.3g}-{max(ratios):.3g})")
 
 
 if __name__ == "__main__":

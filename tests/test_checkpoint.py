@@ -309,17 +309,22 @@ def test_a_run_resumes_on_another_world_size_with_the_losses_of_one_uninterrupte
     """FSDP over two ranks for 3 steps, then the same run dir resumed as one process (a requeue onto a smaller
     allocation, or a layout changed after an OOM): DCP reshards the model and the optimizer states, the data
     stream goes on where the global batch left it, and the loss curve is that of one process that never
-    stopped."""
+    stopped. The interrupted run reads CPython's docs from a token file (data=tokens: each rank its own rows),
+    the uninterrupted one the docs themselves."""
+    from membudget.pretokenize import pretokenize
+
     common = ["logger=none", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
               "data.prefetch=0", "model.n_layers=2", "train.progress=lines"]
+    pretokenize(compose_cfg(), tmp_path / "docs.tokens", most_tokens=6 * 4 * 33)
+    tokens = ["data=tokens", f"data.path={tmp_path / 'docs.tokens'}"]
     run = tmp_path / "run"
-    proc = train_py_ranks(2, tmp_path, f"hydra.run.dir={run}", "parallelism=fsdp", *common, "train.steps=3",
-                          "checkpoint.every_steps=3")
+    proc = train_py_ranks(2, tmp_path, f"hydra.run.dir={run}", "parallelism=fsdp", *common, *tokens,
+                          "train.steps=3", "checkpoint.every_steps=3")
     assert proc.returncode == 0, proc.log[-4000:]
     saved = run / "checkpoints" / "step_0000003"
     assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # sharded by two
     with caplog.at_level(logging.INFO, logger="membudget"):
-        resumed = train_here(run, *common, "train.steps=6")
+        resumed = train_here(run, *common, *tokens, "train.steps=6")
     assert f"resumed from {saved} at step 3" in caplog.text
     assert "parallelism.name: 'fsdp' -> 'single'" in caplog.text  # a change that leaves the math alone
     reference = train_here(tmp_path / "one", *common, "train.steps=6")

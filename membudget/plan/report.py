@@ -103,8 +103,9 @@ def plan_markdown(plan: Plan) -> str:
             f"{t.exposed_communication:.3f} s exposed"
             + ("" if plan.recompute_flops is None else
                f"; recompute {plan.recompute_flops / 1e12:.4g} TFLOP ({plan.recompute_ratio:.0%} of the forward)")
-            + f". Every rank reads and tokenizes the whole global batch: {plan.tokens_per_s / 1e6:.3g} M tokens/s at "
-              "this speed (the run's `data_wait_s` says whether it keeps up; `data.tokenize_threads`).",
+            + f". Every rank that tokenizes reads the whole global batch: {plan.tokens_per_s / 1e6:.3g} M tokens/s at "
+              "this speed (the run's `data_wait_s` says whether it keeps up; `data.tokenize_threads`; a corpus "
+              "tokenized once, data=tokens, is read by each rank for its own rows only).",
             "",
         ]
     return "\n".join(lines)

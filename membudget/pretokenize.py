@@ -1,0 +1,106 @@
+"""`python -m membudget.pretokenize OUT <overrides>`: tokenize a corpus once into a token file, for data=tokens.
+
+The overrides are train.py's: data= (and data.path, data.hf_*) say the source, tokenizer= (and tokenizer.path) the
+tokenizer. A run with data=tokens data.path=OUT and the same tokenizer trains on the batches a run over the source
+would, for any data-parallel size, with each rank reading only its own rows of each global batch instead of
+reading and tokenizing all of it (every rank, every step):
+
+    python -m membudget.pretokenize /data/c4.tokens data=c4 tokenizer=llama3 tokenizer.path=tokenizer.model \
+        --most-tokens 10_000_000_000
+    python train.py data=tokens data.path=/data/c4.tokens tokenizer=llama3 tokenizer.path=tokenizer.model
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+from membudget.errors import UserError
+
+log = logging.getLogger("membudget")
+
+
+def pretokenize(cfg, out: Path, most_tokens: Optional[int] = None, threads: Optional[int] = None) -> dict:
+    """Write the token file `out` from the documents of cfg.data, tokenized by cfg.tokenizer (up to `most_tokens`,
+    whole documents); `threads` tokenize ahead (default: data.tokenize_threads's rule for one process).
+    Returns its meta.json."""
+    from omegaconf import OmegaConf
+    from tqdm import tqdm
+
+    from membudget.data import (Documents, TokenizedDocuments, build_tokenizer, data_fingerprint, read_ahead,
+                                tokenize_threads, tokenizer_words)
+    from membudget.schema import DataName
+    from membudget.token_file import refuse_existing, write
+
+    if cfg.data.name in (DataName.synthetic, DataName.tokens):
+        raise UserError(f"data.name={cfg.data.name.value!r}: has no documents to tokenize; choose the source with "
+                        f"data=text, data=jsonl, data=pydoc or a Hub dataset (data=c4, data=fineweb_edu)")
+    refuse_existing(out)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    threads = threads or tokenize_threads(cfg.data, cfg.tokenizer, local_ranks=1)
+    source = {key: value for key, value in OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True).items()
+              if key not in ("prefetch", "tokenize_threads")}  # how a run reads, not what
+    meta = {"tokenizer": tokenizer.identity(), "source": source, "source_fingerprint": data_fingerprint(cfg.data)}
+    log.info("pretokenize: %s through %s into %s (%d tokenizing thread%s)", _source_words(cfg.data),
+             tokenizer_words(meta["tokenizer"]), out, threads, "" if threads == 1 else "s")
+    with tqdm(unit=" tokens", unit_scale=True, total=most_tokens, disable=None, mininterval=1.0) as bar, \
+            ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
+        documents = TokenizedDocuments(Documents(cfg.data).read(), tokenizer, pool, read_ahead(threads))
+        written = write(out, documents, meta, tokenizer.vocab_size, most_tokens,
+                        progress=lambda documents, tokens: bar.update(tokens - bar.n))
+    log.info("pretokenize: %s tokens of %s documents written to %s%s; train on it with data=tokens data.path=%s",
+             f"{written['tokens']:,}", f"{written['documents']:,}", out,
+             "" if most_tokens is None else f" (the first documents up to {most_tokens:,} tokens)", out)
+    return written
+
+
+def _source_words(data) -> str:
+    if data.hf_path:
+        return f"data.hf_path={data.hf_path}" + (f" ({data.hf_name})" if data.hf_name else "")
+    return f"data={data.name.value}" + (f" data.path={data.path}" if data.path else "")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m membudget.pretokenize", description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="the token file to write (a directory; it must not exist yet)")
+    parser.add_argument("overrides", nargs="*",
+                        help="train.py's overrides that say the source and the tokenizer: data=jsonl data.path=... "
+                             "tokenizer=llama3 tokenizer.path=...")
+    parser.add_argument("--most-tokens", type=int, default=None, metavar="N",
+                        help="stop after the document that takes the count to N tokens (default: the whole source)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="tokenizing threads (default: this process's CPUs, at most 8; 1 for the byte tokenizer)")
+    args = parser.parse_args(argv)
+    if args.most_tokens is not None and args.most_tokens < 1:
+        parser.error(f"--most-tokens={args.most_tokens}: must be a positive number of tokens")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads={args.threads}: must be a positive number of threads")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from hydra.errors import HydraException
+
+    from membudget.launch import compose_config
+    from membudget.rules import check_data
+
+    try:
+        try:
+            cfg = compose_config(args.overrides)
+        except HydraException as e:
+            raise UserError(f"{' '.join(args.overrides)}: {str(e).strip().splitlines()[0]}") from None
+        check_data(cfg)
+        pretokenize(cfg, args.out.expanduser().absolute(), args.most_tokens, args.threads)
+    except UserError as e:
+        log.error("error: %s", e)
+        return 2
+    except KeyboardInterrupt:
+        log.error("interrupted: nothing was kept (%s is written whole or not at all)", args.out)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
