@@ -103,6 +103,8 @@ class TokenFile:
             dtype, count = np.dtype(self.meta["dtype"]), int(self.meta["tokens"])
             if self.meta.get("format") != FORMAT:
                 raise ValueError(f"format {self.meta.get('format')!r}, this version reads {FORMAT}")
+            if count < 1:
+                raise ValueError(f"{count} tokens")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"{where}: cannot read its meta.json ({type(e).__name__}: {e}); write it again with "
                             f"{COMMAND}") from None

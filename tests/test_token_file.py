@@ -136,5 +136,8 @@ def test_a_token_file_that_is_not_whole_or_of_another_tokenizer_is_one_line(tmp_
         f.truncate(100)
     assert data_changes(before, data_fingerprint(cfg.data)) == [f"tokens.bin is {2 * n:,} bytes then and 100 now"]
     one_line_error(f"tokens.bin has 100 bytes where meta.json says {n:,} tokens of 2 bytes", TokenFile, str(out))
+    meta = json.loads((out / META).read_text())
+    (out / META).write_text(json.dumps({**meta, "tokens": 0}))
+    one_line_error("cannot read its meta.json (ValueError: 0 tokens)", TokenFile, str(out))
     (out / META).write_text("{")
     one_line_error("cannot read its meta.json", TokenFile, str(out))
