@@ -66,11 +66,11 @@ def main(cfg: DictConfig) -> float:
 def _note_failed_job(job_dir: Path, error: str) -> None:
     """A sweep's job that failed before the trainer wrote its summary.json (a config the validation refused):
     a summary saying so, for the sweep's report; never in a dir another run holds."""
-    from membudget.rundir import RunDirLock
+    from membudget.rundir import DirLock
 
     if (job_dir / "summary.json").exists():
         return
-    lock = RunDirLock(job_dir)
+    lock = DirLock(job_dir)
     try:
         lock.acquire()
     except (UserError, OSError):  # held by another run, or not writable

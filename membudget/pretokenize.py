@@ -8,6 +8,9 @@ reading and tokenizing all of it (every rank, every step):
     python -m membudget.pretokenize /data/c4.tokens data=c4 tokenizer=llama3 tokenizer.path=tokenizer.model \
         --most-tokens 10_000_000_000
     python train.py data=tokens data.path=/data/c4.tokens tokenizer=llama3 tokenizer.path=tokenizer.model
+
+A write that stops (Ctrl-C, SIGTERM from a SLURM time limit, a full disk) keeps what it wrote beside OUT, and the
+same command continues from there (membudget.token_file.write).
 """
 
 from __future__ import annotations
@@ -15,12 +18,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from membudget.data import (Documents, HubDocuments, TokenizedDocuments, build_tokenizer, data_fingerprint,
+                            read_ahead, tokenize_threads, tokenizer_words)
 from membudget.errors import UserError
+from membudget.launch import compose_config
+from membudget.rules import check_data
+from membudget.schema import DataName
+from membudget.token_file import refuse_existing, write
 
 log = logging.getLogger("membudget")
 
@@ -29,34 +43,46 @@ def pretokenize(cfg, out: Path, most_tokens: Optional[int] = None, threads: Opti
     """Write the token file `out` from the documents of cfg.data, tokenized by cfg.tokenizer (up to `most_tokens`,
     whole documents); `threads` tokenize ahead (default: data.tokenize_threads's rule for one process).
     Returns its meta.json."""
-    from omegaconf import OmegaConf
-    from tqdm import tqdm
-
-    from membudget.data import (Documents, TokenizedDocuments, build_tokenizer, data_fingerprint, read_ahead,
-                                tokenize_threads, tokenizer_words)
-    from membudget.schema import DataName
-    from membudget.token_file import refuse_existing, write
-
     if cfg.data.name in (DataName.synthetic, DataName.tokens):
         raise UserError(f"data.name={cfg.data.name.value!r}: has no documents to tokenize; choose the source with "
                         f"data=text, data=jsonl, data=pydoc or a Hub dataset (data=c4, data=fineweb_edu)")
     refuse_existing(out)
     tokenizer = build_tokenizer(cfg.tokenizer)
     threads = threads or tokenize_threads(cfg.data, cfg.tokenizer, local_ranks=1)
-    source = {key: value for key, value in OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True).items()
-              if key not in ("prefetch", "tokenize_threads")}  # how a run reads, not what
-    meta = {"tokenizer": tokenizer.identity(), "source": source, "source_fingerprint": data_fingerprint(cfg.data)}
+    meta = made_from(cfg, tokenizer)
     log.info("pretokenize: %s through %s into %s (%d tokenizing thread%s)", _source_words(cfg.data),
              tokenizer_words(meta["tokenizer"]), out, threads, "" if threads == 1 else "s")
     with tqdm(unit=" tokens", unit_scale=True, total=most_tokens, disable=None, mininterval=1.0) as bar, \
             ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
-        documents = TokenizedDocuments(Documents(cfg.data).read(), tokenizer, pool, read_ahead(threads))
-        written = write(out, documents, meta, tokenizer.vocab_size, most_tokens,
+        source = SourceIds(cfg.data, tokenizer, pool, threads)
+        written = write(out, source, meta, tokenizer.vocab_size, most_tokens,
                         progress=lambda documents, tokens: bar.update(tokens - bar.n))
     log.info("pretokenize: %s tokens of %s documents written to %s%s; train on it with data=tokens data.path=%s",
              f"{written['tokens']:,}", f"{written['documents']:,}", out,
              "" if most_tokens is None else f" (the first documents up to {most_tokens:,} tokens)", out)
     return written
+
+
+def made_from(cfg, tokenizer) -> dict:
+    """What a token file is made from, kept in its meta.json: the tokenizer, the source, the source's files."""
+    source = {key: value for key, value in OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True).items()
+              if key not in ("prefetch", "tokenize_threads")}  # how a run reads, not what
+    return {"tokenizer": tokenizer.identity(), "source": source, "source_fingerprint": data_fingerprint(cfg.data)}
+
+
+class SourceIds:
+    """The ids of cfg.data's documents from any document on (token_file.Source), tokenized by `threads`."""
+
+    def __init__(self, data, tokenizer, pool: Optional[ThreadPoolExecutor], threads: int):
+        self._documents, self._tokenizer, self._pool, self._threads = Documents(data), tokenizer, pool, threads
+        self._docs = None
+
+    def read(self, start: int, resume: Optional[dict]) -> TokenizedDocuments:
+        self._docs = self._documents.read(start=start, resume=resume)
+        return TokenizedDocuments(self._docs, self._tokenizer, self._pool, read_ahead(self._threads))
+
+    def position(self, doc: int) -> Optional[dict]:
+        return self._docs.position(doc) if isinstance(self._docs, HubDocuments) else None
 
 
 def _source_words(data) -> str:
@@ -81,11 +107,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads={args.threads}: must be a positive number of threads")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from hydra.errors import HydraException
+    stopped_by = []
 
-    from membudget.launch import compose_config
-    from membudget.rules import check_data
+    def terminate(signum, frame) -> None:
+        stopped_by.append("SIGTERM")
+        raise KeyboardInterrupt
 
+    signal.signal(signal.SIGTERM, terminate)
     try:
         try:
             cfg = compose_config(args.overrides)
@@ -96,9 +124,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UserError as e:
         log.error("error: %s", e)
         return 2
-    except KeyboardInterrupt:
-        log.error("interrupted: nothing was kept (%s is written whole or not at all)", args.out)
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a SLURM time limit, scancel): token_file.write said what is kept
+        return 143 if stopped_by == ["SIGTERM"] else 130
     return 0
 
 

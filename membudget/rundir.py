@@ -32,11 +32,16 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "wandb", "memory_bu
              "memory_snapshot.pickle", COMPILE_CACHE)
 
 
-class RunDirLock:
-    """Held by rank 0 from the start of a run to its end."""
+class DirLock:
+    """A dir's exclusive lock: held by a run's rank 0 from the start of the run to its end (the defaults), or by
+    whatever else writes a dir that must have one writer (a token file's partial dir). `name`, `holder` and `fix`
+    word the one-line refusal of a second writer."""
 
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / LOCK
+    def __init__(self, directory: Path, name: Optional[str] = None, holder: str = "another run",
+                 fix: str = "wait for it to end, or give this run its own hydra.run.dir"):
+        self.path = Path(directory) / LOCK
+        self.name = name or f"hydra.run.dir={str(directory)!r}"
+        self.holder, self.fix = holder, fix
         self._fd: Optional[int] = None
 
     def acquire(self) -> None:
@@ -48,8 +53,7 @@ class RunDirLock:
             except BlockingIOError:
                 holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
                 os.close(fd)
-                raise UserError(f"hydra.run.dir={str(self.path.parent)!r}: another run is using it ({holder}); "
-                                "wait for it to end, or give this run its own hydra.run.dir") from None
+                raise UserError(f"{self.name}: {self.holder} is using it ({holder}); {self.fix}") from None
             # the holder removes the file on release: a lock taken on a file no longer at the path is no lock
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(self.path))

@@ -3,8 +3,10 @@
 A token file is a directory:
     tokens.bin  every document's ids (BOS, its text's, EOS) in the corpus's order, little-endian uint16 or uint32
                 (the smallest that holds the tokenizer's ids): the stream TokenBatches packs on the fly
-    meta.json   the dtype, the counts, the tokenizer and the source it was made from; written last, so a dir
-                without it is one whose writing was cut short
+    meta.json   the dtype, the counts, the tokenizer and the source it was made from
+
+It is written in `.<name>.partial` beside its path (with progress.json, where the write stands) and renamed onto
+the path once whole: a write that stops is continued by the same command.
 
 Read through a memory map: a rank reads its own rows of each global batch, B x (seq_len + 1) tokens at a known
 offset, and nothing else; no rank tokenizes, and none reads the global batch. The stream is the one the source
@@ -13,20 +15,29 @@ gives on the fly, so the batches are the same as those of a run over the source 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import shutil
-from collections.abc import Iterable
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 
 from membudget.errors import UserError
+from membudget.metrics import write_json
+from membudget.rundir import DirLock
 from membudget.units import fmt_bytes
 
+log = logging.getLogger("membudget")
+
 FORMAT = 1
-TOKENS, META = "tokens.bin", "meta.json"
+TOKENS, META, PROGRESS = "tokens.bin", "meta.json", "progress.json"
+# How often a write saves where it stands: what a stopped write (SIGKILL) may have to redo at most
+SAVE_EVERY_S = 30.0
 COMMAND = "python -m membudget.pretokenize OUT <the source's data= and tokenizer= overrides>"
 
 
@@ -35,47 +46,135 @@ def dtype_for(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
 
 
-def write(out: Path, documents: Iterable[np.ndarray], meta: dict, vocab_size: int, most_tokens: Optional[int] = None,
+class Source(Protocol):
+    """The documents' ids from any document on: what a token file is written from (pretokenize)."""
+
+    def read(self, start: int, resume: Optional[dict]) -> Iterator[np.ndarray]:
+        """The ids of every document from the `start`-th (empty ones count), from `resume` (position()) if given."""
+
+    def position(self, doc: int) -> Optional[dict]:
+        """Where document `doc`, just after the last one read, lies in a stream that cannot seek by index."""
+
+
+def partial_dir(out: Path) -> Path:
+    """Where the token file `out` is written until it is whole: beside it, renamed onto it at the end."""
+    return out.with_name(f".{out.name}.partial")
+
+
+def write(out: Path, source: Source, meta: dict, vocab_size: int, most_tokens: Optional[int] = None,
           progress: Callable[[int, int], None] = lambda documents, tokens: None) -> dict:
-    """Write the token file `out` from the token ids of `documents` (each an array of ids, in order), up to the
-    first document that takes the count to `most_tokens` (whole documents: the file is a prefix of the stream);
-    `meta`: what made them (tokenizer, source), kept in meta.json. The file appears whole or not at all: it is
-    written beside `out` and renamed onto it; a failure (a full disk, an interrupt) removes what it wrote, and an
-    existing `out` is never touched. Returns meta.json's content."""
+    """Write the token file `out` from the ids of `source`'s documents, up to the first document that takes the
+    count to `most_tokens` (whole documents: the file is a prefix of the stream); `meta`: what made them
+    (tokenizer, source), kept in meta.json. Returns meta.json's content.
+
+    The file appears whole or not at all: it is written into partial_dir(out), one writer at a time (a lock), and
+    renamed onto `out`; an existing `out` is never touched. Where it stands is saved there every SAVE_EVERY_S (the
+    ids flushed up to it first). A write that stops (a full disk, an interrupt, SIGTERM, SIGKILL) keeps what it
+    wrote, and the same command continues from the last saved point; a partial dir made from another source,
+    tokenizer or --most-tokens is started over."""
     out = Path(out)
     refuse_existing(out)
     dtype = dtype_for(vocab_size)
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
+    made = {**meta, "format": FORMAT, "dtype": dtype.str, "most_tokens": most_tokens}  # None: the whole source
+    partial = partial_dir(out)
     try:
-        partial.mkdir(parents=True)
-        n_documents = n_tokens = 0
-        with open(partial / TOKENS, "wb") as f:
-            for ids in documents:
-                if len(ids) == 0:
-                    continue
-                f.write(np.asarray(ids).astype(dtype, copy=False).tobytes())
-                n_documents, n_tokens = n_documents + 1, n_tokens + len(ids)
-                progress(n_documents, n_tokens)
-                if most_tokens is not None and n_tokens >= most_tokens:
-                    break
-        if n_tokens == 0:
+        partial.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"pretokenize: cannot write {out} ({e.strerror or e}); choose another path") from None
+    lock = DirLock(partial, name=f"pretokenize {out}", holder="another pretokenize",
+                   fix="wait for it to end, or write the token file elsewhere")
+    lock.acquire()
+    at = _resume_point(partial, made, dtype)
+    try:
+        with open(partial / TOKENS, "r+b" if at["tokens"] else "wb") as f:
+            f.truncate(at["tokens"] * dtype.itemsize)  # ids written after the last save: written again now
+            f.seek(0, os.SEEK_END)
+            try:
+                _write_ids(f, source, dtype, at, most_tokens, progress, lambda: _save(partial, f, made, at, source))
+            except BaseException:  # an interrupt, SIGTERM, a full disk: the point reached, if it can still be saved
+                with contextlib.suppress(Exception):
+                    _save(partial, f, made, at, source)
+                raise
+        if at["tokens"] == 0:
             raise UserError("pretokenize: the source has no text at all; point data.path (or data.hf_path) at data "
                             "with text")
-        written = {**meta, "format": FORMAT, "dtype": dtype.str, "tokens": n_tokens, "documents": n_documents,
-                   "most_tokens": most_tokens}  # None: the whole source
+        written = {**made, "tokens": at["tokens"], "documents": at["documents"]}
         (partial / META).write_text(json.dumps(written, indent=2) + "\n")
-        os.replace(partial, out)
-        return written
-    except OSError as e:
-        shutil.rmtree(partial, ignore_errors=True)
-        free = shutil.disk_usage(out.parent).free if out.parent.is_dir() else None
-        room = "" if free is None else f" ({fmt_bytes(free)} free there)"
-        raise UserError(f"pretokenize: cannot write {out} ({e.strerror or e}){room}; nothing was kept: free space "
-                        f"or choose another path, then run it again") from None
-    except BaseException:  # a UserError, an interrupt: nothing half-written stays
+        (partial / PROGRESS).unlink(missing_ok=True)
+    except UserError:
+        lock.release()
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    except OSError as e:
+        lock.release()
+        free = shutil.disk_usage(out.parent).free if out.parent.is_dir() else None
+        room = "" if free is None else f" ({fmt_bytes(free)} free there)"
+        raise UserError(f"pretokenize: cannot write {out} ({e.strerror or e}){room}; the ids written so far are kept "
+                        f"in {partial}: free space and run the same command to continue (or remove it)") from None
+    except BaseException:  # an interrupt, SIGTERM: the same command continues from the last saved point
+        lock.release()
+        log.warning("pretokenize: stopped; the %s tokens written by then are kept in %s: run the same command to "
+                    "continue", f"{_saved_tokens(partial):,}", partial)
+        raise
+    lock.release()
+    try:
+        os.replace(partial, out)
+    except OSError as e:  # `out` made meanwhile by something else
+        raise UserError(f"pretokenize: cannot rename {partial} to {out} ({e.strerror or e}); the token file is "
+                        f"whole in {partial}: move it where it belongs") from None
+    return written
+
+
+def _write_ids(f, source: Source, dtype: np.dtype, at: dict, most_tokens: Optional[int], progress, save) -> None:
+    """The documents' ids from the point `at` on, appended to `f`, with `at` moved past each document only once its
+    ids are written (one update: an interrupt between the two redoes the document); saved every SAVE_EVERY_S."""
+    saved = time.monotonic()
+    for ids in source.read(at["doc"], at["resume"]):
+        if len(ids):
+            f.write(np.asarray(ids).astype(dtype, copy=False).tobytes())
+        at.update(doc=at["doc"] + 1, documents=at["documents"] + bool(len(ids)), tokens=at["tokens"] + len(ids))
+        progress(at["documents"], at["tokens"])
+        done = most_tokens is not None and at["tokens"] >= most_tokens
+        if done or time.monotonic() - saved >= SAVE_EVERY_S:
+            save()
+            saved = time.monotonic()
+        if done:
+            return
+
+
+def _resume_point(partial: Path, made: dict, dtype: np.dtype) -> dict:
+    """Where an earlier write of the same file stopped (its last saved point), else the start."""
+    start = {"doc": 0, "documents": 0, "tokens": 0, "resume": None}
+    try:
+        saved = json.loads((partial / PROGRESS).read_text())
+        size = (partial / TOKENS).stat().st_size
+    except (OSError, ValueError):
+        return start  # none, or cut short by a full disk: the start
+    if not isinstance(saved, dict) or saved.get("made") != made:
+        log.warning("pretokenize: starting over in %s: what is there was written from another source, tokenizer or "
+                    "--most-tokens", partial)
+        return start
+    at = saved["at"]
+    if size < at["tokens"] * dtype.itemsize:  # shorter than saved: not the file the point was saved for
+        log.warning("pretokenize: starting over in %s: %s is shorter than its saved point", partial, TOKENS)
+        return start
+    log.info("pretokenize: continuing an earlier write from document %s (%s tokens of %s documents kept)",
+             f"{at['doc']:,}", f"{at['tokens']:,}", f"{at['documents']:,}")
+    return dict(at)
+
+
+def _save(partial: Path, f, made: dict, at: dict, source: Source) -> None:
+    """The ids written so far on disk, then the point after them (atomically): what a rerun continues from."""
+    f.flush()
+    os.fsync(f.fileno())
+    write_json(partial / PROGRESS, {"made": made, "at": {**at, "resume": source.position(at["doc"])}})
+
+
+def _saved_tokens(partial: Path) -> int:
+    try:
+        return json.loads((partial / PROGRESS).read_text())["at"]["tokens"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def refuse_existing(out: Path) -> None:

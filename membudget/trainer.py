@@ -57,7 +57,7 @@ from membudget.model import num_params
 from membudget.offload import find_offloader
 from membudget.parallel import all_reduce, broadcast_object, build_mesh, clip_grad_norm, dp_coordinates, gradient_sync
 from membudget.rules import compile_enabled, data_wait_line, validate
-from membudget.rundir import RunDirLock, start_fresh
+from membudget.rundir import DirLock, start_fresh
 from membudget.schema import (ACMode, NonFinite, ac_label, block_policies, budget_of, compact_policies, is_auto,
                               resolved)
 from membudget.step import Numerics, StepShape, build_model, build_optimizer, forward_backward
@@ -254,7 +254,7 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
     model = build_model(cfg, device, mesh, numerics)
     optimizer, scheduler = build_optimizer(model, cfg)
 
-    lock = RunDirLock(run_dir)  # the first write into the run dir
+    lock = DirLock(run_dir)  # the first write into the run dir
     _on_rank0(lock.acquire)
     stack.callback(lock.release)
     # fp32 weights and AdamW's two moments: what each rank writes per save

@@ -302,17 +302,17 @@ def test_train_py_reports_hydra_errors_in_one_line(tmp_path):
 # --- the run dir's lock file -------------------------------------------------------------------------------------
 
 def test_the_lock_file_exists_only_while_a_run_holds_it(tmp_path):
-    from membudget.rundir import LOCK, RunDirLock
+    from membudget.rundir import LOCK, DirLock
 
     run_dir = tmp_path / "run"
-    holder = RunDirLock(run_dir)
+    holder = DirLock(run_dir)
     holder.acquire()
     with pytest.raises(UserError, match="another run is using it"):
-        RunDirLock(run_dir).acquire()
+        DirLock(run_dir).acquire()
     holder.release()
     assert not (run_dir / LOCK).exists()
     # the next run takes the lock anew, on a new file
-    late = RunDirLock(run_dir)
+    late = DirLock(run_dir)
     late.acquire()
     assert (run_dir / LOCK).exists()
     late.release()

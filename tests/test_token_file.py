@@ -4,22 +4,29 @@ not at all; a file that is not whole, or made by another tokenizer, refused in o
 
 import json
 import logging
+import re
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-from membudget.data import Llama3Tokenizer, TokenBatches, data_changes, data_fingerprint
+from membudget import token_file
+from membudget.data import Llama3Tokenizer, TokenBatches, build_tokenizer, data_changes, data_fingerprint
 from membudget.errors import UserError
-from membudget.pretokenize import main, pretokenize
-from membudget.token_file import META, TOKENS, TokenFile, write
-from tests.conftest import TINY, compose_cfg, read_metrics, small_tmpfs, train_here
+from membudget.pretokenize import SourceIds, main, made_from, pretokenize
+from membudget.rundir import DirLock
+from membudget.token_file import META, TOKENS, TokenFile, partial_dir
+from tests.conftest import TINY, compose_cfg, read_metrics, small_tmpfs, train_here, wait_until
 from tests.test_data import hf_cache_in_tmp, one_line_error, write_bpe, write_jsonl  # noqa: F401 (autouse)
 
 
-def _corpus(tmp_path):
+def _corpus(tmp_path, documents=300):
     """A jsonl corpus with empty documents among the others, and a BPE tokenizer for it: (source overrides)."""
-    write_jsonl(tmp_path / "a.jsonl", [{"text": f"the {i} th" * (i % 5)} for i in range(300)])
+    write_jsonl(tmp_path / "a.jsonl", [{"text": f"the {i} th" * (i % 5)} for i in range(documents)])
     return ["data=jsonl", f"data.path={tmp_path / 'a.jsonl'}", "tokenizer=llama3",
             f"tokenizer.path={write_bpe(tmp_path / 'tokenizer.model')}"]
 
@@ -78,41 +85,106 @@ def test_most_tokens_writes_the_streams_first_whole_documents(tmp_path):
     assert first.tokens[-1] == eos and meta["documents"] < whole["documents"]
 
 
-def test_a_token_file_is_written_whole_or_not_at_all(tmp_path, caplog):
+def test_a_token_file_is_never_written_over_and_a_source_without_documents_is_one_line(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="membudget")
     out = tmp_path / "a.tokens"
     pretokenize(compose_cfg(), out, most_tokens=1000)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    # an existing file is never touched
     assert main([str(out)]) == 2 and "already exists; remove it or choose another path" in caplog.text
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    # no source
     assert main([str(tmp_path / "b.tokens"), "data=synthetic"]) == 2 and "has no documents to tokenize" in caplog.text
     assert main([str(tmp_path / "b.tokens"), "data=nonsense"]) == 2 and "data=nonsense" in caplog.text
-    # an interrupt while writing: nothing of it stays
-    interrupted = tmp_path / "c.tokens"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tokens"]
+    # one writer at a time
+    partial_dir(tmp_path / "c.tokens").mkdir()
+    held = DirLock(partial_dir(tmp_path / "c.tokens"))
+    held.acquire()
+    try:
+        with pytest.raises(UserError, match=r"pretokenize .*c.tokens: another pretokenize is using it \(pid "):
+            pretokenize(compose_cfg(), tmp_path / "c.tokens")
+    finally:
+        held.release()
 
-    def documents():
-        yield np.arange(10)
-        raise KeyboardInterrupt
 
+@pytest.mark.parametrize("kind", ["jsonl", "hf"])
+def test_a_stopped_pretokenize_continues_where_it_stopped_and_writes_the_same_file(tmp_path, monkeypatch, kind):
+    """Stopped twice (an interrupt, SIGTERM) after a saved point, once with more written than its last saved point
+    says (a SIGKILL between two saves): the same command continues and writes the file one uninterrupted write
+    gives. A local corpus and a streamed dataset (whose saved point is the stream's own position), tokenized by
+    two threads that read ahead."""
+    overrides = _corpus(tmp_path, 700)
+    if kind == "hf":
+        overrides[:2] = ["data=c4", "data.hf_path=json", "data.hf_name=null",
+                         f"data.hf_data_files={tmp_path / 'a.jsonl'}"]
+    cfg = compose_cfg(*overrides)
+    whole = pretokenize(cfg, tmp_path / "whole.tokens", threads=2)
+    tokenizer = Llama3Tokenizer(str(tmp_path / "tokenizer.model"))
+    out = tmp_path / "a.tokens"
+
+    def stopped_after(documents: int, save_every_s: float):
+        def progress(written: int, tokens: int) -> None:
+            if written == documents:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(token_file, "SAVE_EVERY_S", save_every_s)
+        with ThreadPoolExecutor(2) as pool, pytest.raises(KeyboardInterrupt):
+            token_file.write(out, SourceIds(cfg.data, tokenizer, pool, 2), made_from(cfg, tokenizer),
+                             tokenizer.vocab_size, progress=progress)
+        return json.loads((partial_dir(out) / token_file.PROGRESS).read_text())["at"]
+
+    first = stopped_after(100, save_every_s=0.0)
+    assert first["documents"] == 100 and not out.exists()
+    second = stopped_after(400, save_every_s=3600.0)  # saved only when it stopped
+    assert second["documents"] == 400 and second["doc"] > first["doc"]
+    # as if killed at once: more ids on disk than the saved point, which is the first one
+    progress = partial_dir(out) / token_file.PROGRESS
+    progress.write_text(json.dumps({"made": json.loads(progress.read_text())["made"], "at": first}))
+    assert (partial_dir(out) / TOKENS).stat().st_size > first["tokens"] * 2
+    assert pretokenize(cfg, out, threads=2) == whole
+    assert (out / TOKENS).read_bytes() == (tmp_path / "whole.tokens" / TOKENS).read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == [META, TOKENS] and not partial_dir(out).exists()
+
+
+def test_a_partial_write_of_another_tokenizer_is_started_over(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="membudget")
+    overrides = _corpus(tmp_path)
+    byte = compose_cfg(*overrides[:2])
+    monkeypatch.setattr(token_file, "SAVE_EVERY_S", 0.0)
+
+    def progress(written: int, tokens: int) -> None:
+        if written == 50:
+            raise KeyboardInterrupt
+
+    tokenizer = build_tokenizer(byte.tokenizer)
     with pytest.raises(KeyboardInterrupt):
-        write(interrupted, documents(), {}, vocab_size=258)
-    assert not interrupted.exists() and not list(tmp_path.glob(".c.tokens*"))
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+        token_file.write(tmp_path / "a.tokens", SourceIds(byte.data, tokenizer, None, 1), made_from(byte, tokenizer),
+                         tokenizer.vocab_size, progress=progress)
+    assert "pretokenize: stopped; the " in caplog.text and "run the same command to continue" in caplog.text
+    bpe = compose_cfg(*overrides)
+    pretokenize(bpe, tmp_path / "a.tokens")
+    assert "starting over in" in caplog.text and "another source, tokenizer or --most-tokens" in caplog.text
+    pretokenize(bpe, tmp_path / "b.tokens")
+    assert (tmp_path / "a.tokens" / TOKENS).read_bytes() == (tmp_path / "b.tokens" / TOKENS).read_bytes()
 
 
-def test_a_full_disk_keeps_nothing_of_the_token_file_and_says_so(tmp_path):
+def test_a_full_disk_keeps_what_was_written_and_the_same_command_continues(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="membudget")
+    monkeypatch.setattr(token_file, "SAVE_EVERY_S", 0.0)  # a point saved after every document
+    pretokenize(compose_cfg(), tmp_path / "fresh.tokens", most_tokens=40_000)
     with small_tmpfs(tmp_path, "256k") as disk:
-        small = disk / "small.tokens"
-        pretokenize(compose_cfg(), small, most_tokens=1000)
-        kept = {p.name: p.read_bytes() for p in small.iterdir()}
+        filler = disk / "filler"
+        filler.write_bytes(b"x" * 200 * 1024)
         with pytest.raises(UserError) as info:
-            pretokenize(compose_cfg(), disk / "pydoc.tokens")  # 0.9 MB of byte tokens
+            pretokenize(compose_cfg(), disk / "docs.tokens", most_tokens=40_000)  # 80 KB and more
         message = str(info.value)
-        assert "\n" not in message and "cannot write" in message and "free space" in message, message
-        assert sorted(p.name for p in disk.iterdir()) == ["small.tokens"]
-        assert {p.name: p.read_bytes() for p in small.iterdir()} == kept
+        assert "\n" not in message and "cannot write" in message and "No space left on device" in message, message
+        assert f"kept in {partial_dir(disk / 'docs.tokens')}: free space and run the same command" in message
+        assert not (disk / "docs.tokens").exists()
+        filler.unlink()
+        pretokenize(compose_cfg(), disk / "docs.tokens", most_tokens=40_000)
+        continued = re.search(r"continuing an earlier write from document (\d+)", caplog.text)
+        assert continued and int(continued.group(1)) > 0, caplog.text
+        assert (disk / "docs.tokens" / TOKENS).read_bytes() == (tmp_path / "fresh.tokens" / TOKENS).read_bytes()
 
 
 def test_a_token_file_that_is_not_whole_or_of_another_tokenizer_is_one_line(tmp_path):
@@ -141,3 +213,32 @@ def test_a_token_file_that_is_not_whole_or_of_another_tokenizer_is_one_line(tmp_
     one_line_error("cannot read its meta.json (ValueError: 0 tokens)", TokenFile, str(out))
     (out / META).write_text("{")
     one_line_error("cannot read its meta.json", TokenFile, str(out))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_pretokenize_that_the_same_command_then_continues(tmp_path):
+    """A SLURM time limit or scancel: SIGTERM to `python -m membudget.pretokenize` while it writes. It exits 143
+    with one line that says what is kept and how to continue, and the same command writes the file one
+    uninterrupted write gives."""
+    from pydoc_data.topics import topics
+
+    text = "\n".join(topics[key] for key in sorted(topics))
+    write_jsonl(tmp_path / "a.jsonl", [{"text": text[i:i + 2200]} for _ in range(15)
+                                       for i in range(0, len(text), 2200)])  # 7 MB: a second or two to write
+    overrides = ["data=jsonl", f"data.path={tmp_path / 'a.jsonl'}", "tokenizer=llama3",
+                 f"tokenizer.path={write_bpe(tmp_path / 'tokenizer.model')}"]
+    out = tmp_path / "a.tokens"
+    proc = subprocess.Popen([sys.executable, "-m", "membudget.pretokenize", str(out), *overrides, "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    written = partial_dir(out) / TOKENS
+    wait_until(lambda: written.is_file() and written.stat().st_size > 0 or proc.poll() is not None, 120,
+               "the first ids on disk")
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, log
+    assert re.search(r"pretokenize: stopped; the [\d,]+ tokens written by then are kept in .*\.a\.tokens\.partial: "
+                     r"run the same command to continue", log), log
+    assert "Traceback" not in log and not out.exists()
+    pretokenize(compose_cfg(*overrides), out, threads=1)
+    pretokenize(compose_cfg(*overrides), tmp_path / "fresh.tokens", threads=1)
+    assert (out / TOKENS).read_bytes() == (tmp_path / "fresh.tokens" / TOKENS).read_bytes()
