@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from membudget.errors import UserError
 from membudget.schema import flat_keys
 from membudget.metrics import local_tensor
-from membudget.units import MiB
+from membudget.units import GB, MiB
 
 log = logging.getLogger("membudget")
 
@@ -176,7 +176,7 @@ def verify(path: Path, files: Optional[list[str]] = None) -> Optional[str]:
 def save_seconds(state_bytes: int, write_gbps: float) -> float:
     """How long one rank's save of `state_bytes` may take at `write_gbps`, with room for a slow rank: twice the
     write time plus two minutes, at least ten minutes (a barrier that waits shorter fails a healthy save)."""
-    return max(600.0, 2 * state_bytes / (write_gbps * 1e9) + 120)
+    return max(600.0, 2 * state_bytes / (write_gbps * GB) + 120)
 
 
 def all_finite(tensors) -> bool:

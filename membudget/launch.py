@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from membudget.errors import UserError
+from membudget.units import GB
 
 log = logging.getLogger("membudget")
 
@@ -524,7 +525,7 @@ def checkpoint_write_s(cfg: Any, world_size: int) -> float:
         shards = 1
     per_rank = CHECKPOINT_BYTES_PER_PARAMETER * parameter_count(cfg.model) / shards
     gbps = OmegaConf.select(cfg, "checkpoint.write_gbps")  # the schema's default: a shared filesystem, 2 GB/s a node
-    return per_rank / (gbps * 1e9)
+    return per_rank / (gbps * GB)
 
 
 def signal_delay_s(cfg: Any) -> int:

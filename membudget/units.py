@@ -7,6 +7,7 @@ import math
 from typing import Optional
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
+GB = 10**9  # decimal, as data sheets and the config's GB/s (checkpoint.write_gbps) count
 
 
 def _sig3(x: float) -> str:
