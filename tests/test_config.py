@@ -3,6 +3,7 @@ that exist. Bad keys, types, choices and cross-field rules (each rejected in one
 in tests/test_bad_input.py."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -120,6 +121,12 @@ def test_help_shows_the_groups_and_options_that_exist():
         line = next(line for line in done.stdout.splitlines() if line.startswith(f"{group}: "))
         assert line.split(": ", 1)[1].split(", ") == list(options.group_options(group)), group
     assert "ac_schema" not in done.stdout and "ac_point" in done.stdout
+    # the groups' own lines above Hydra's list name every option too (a group's line and those indented below it)
+    said = done.stdout.split("Config groups")[1].split("Sections")[0]
+    for group in ("model", "ac", "parallelism", "data", "tokenizer", "logger", "experiment", "debug"):
+        line = re.search(rf"^  {group} +(.*(?:\n {{6,}}.*)*)", said, re.M).group(1)
+        missing = [o for o in options.group_options(group) if not re.search(rf"\b{o}\b", line)]
+        assert not missing, (group, missing)
     assert "python train.py ac=memory_budget ac.memory_budget=0.4" in done.stdout
 
 
