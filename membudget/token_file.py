@@ -84,44 +84,49 @@ def write(out: Path, source: Source, meta: dict, vocab_size: int, most_tokens: O
     lock = DirLock(partial, name=f"pretokenize {out}", holder="another pretokenize",
                    fix="wait for it to end, or write the token file elsewhere")
     lock.acquire()
-    at = _resume_point(partial, made, dtype)
     try:
-        with open(partial / TOKENS, "r+b" if at["tokens"] else "wb") as f:
-            f.truncate(at["tokens"] * dtype.itemsize)  # ids written after the last save: written again now
-            f.seek(0, os.SEEK_END)
-            try:
-                _write_ids(f, source, dtype, at, most_tokens, progress, lambda: _save(partial, f, made, at, source))
-            except BaseException:  # an interrupt, SIGTERM, a full disk: the point reached, if it can still be saved
-                with contextlib.suppress(Exception):
-                    _save(partial, f, made, at, source)
-                raise
-        if at["tokens"] == 0:
-            raise UserError("pretokenize: the source has no text at all; point data.path (or data.hf_path) at data "
-                            "with text")
-        written = {**made, "tokens": at["tokens"], "documents": at["documents"]}
-        (partial / META).write_text(json.dumps(written, indent=2) + "\n")
-        (partial / PROGRESS).unlink(missing_ok=True)
-    except UserError:
-        lock.release()
-        shutil.rmtree(partial, ignore_errors=True)
+        written = _write_into(partial, source, made, dtype, most_tokens, progress)
+    except UserError:  # a record it cannot read, say: what was written stays for the same command
         raise
     except OSError as e:
-        lock.release()
         free = shutil.disk_usage(out.parent).free if out.parent.is_dir() else None
         room = "" if free is None else f" ({fmt_bytes(free)} free there)"
         raise UserError(f"pretokenize: cannot write {out} ({e.strerror or e}){room}; the ids written so far are kept "
                         f"in {partial}: free space and run the same command to continue (or remove it)") from None
     except BaseException:  # an interrupt, SIGTERM: the same command continues from the last saved point
-        lock.release()
         log.warning("pretokenize: stopped; the %s tokens written by then are kept in %s: run the same command to "
                     "continue", f"{_saved_tokens(partial):,}", partial)
         raise
-    lock.release()
+    finally:
+        lock.release()  # before the rename: the token file holds no lock file
     try:
         os.replace(partial, out)
     except OSError as e:  # `out` made meanwhile by something else
         raise UserError(f"pretokenize: cannot rename {partial} to {out} ({e.strerror or e}); the token file is "
                         f"whole in {partial}: move it where it belongs") from None
+    return written
+
+
+def _write_into(partial: Path, source: Source, made: dict, dtype: np.dtype, most_tokens: Optional[int],
+                progress) -> dict:
+    """The token file written whole in `partial`, from where an earlier write stopped: its meta.json's content."""
+    at = _resume_point(partial, made, dtype)
+    with open(partial / TOKENS, "r+b" if at["tokens"] else "wb") as f:
+        f.truncate(at["tokens"] * dtype.itemsize)  # ids written after the last save: written again now
+        f.seek(0, os.SEEK_END)
+        try:
+            _write_ids(f, source, dtype, at, most_tokens, progress, lambda: _save(partial, f, made, at, source))
+        except BaseException:  # an interrupt, SIGTERM, a full disk: the point reached, if it can still be saved
+            with contextlib.suppress(Exception):
+                _save(partial, f, made, at, source)
+            raise
+    if at["tokens"] == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise UserError("pretokenize: the source has no text at all; point data.path (or data.hf_path) at data "
+                        "with text")
+    written = {**made, "tokens": at["tokens"], "documents": at["documents"]}
+    (partial / META).write_text(json.dumps(written, indent=2) + "\n")
+    (partial / PROGRESS).unlink(missing_ok=True)
     return written
 
 
