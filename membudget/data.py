@@ -815,7 +815,8 @@ class TokenBatches:
             # Every rank tokenizes the whole global batch, not only its rows: where rank r's rows start in the
             # stream depends on the token count of every document before them, which only tokenizing them
             # tells. That is what keeps the global batch identical for any data-parallel size (and a resume
-            # position one (epoch, doc, offset) for all ranks); the Prefetcher's thread hides the cost.
+            # position one (epoch, doc, offset) for all ranks); the Prefetcher's thread hides the cost, and a
+            # token file (above) does away with it.
             windows = self._take(shape[0] * shape[1]).reshape(shape)[self.rows]
         windows = torch.from_numpy(np.ascontiguousarray(windows))
         self.step += 1
