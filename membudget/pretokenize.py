@@ -1,4 +1,4 @@
-"""`python -m membudget.pretokenize OUT <overrides>`: tokenize a corpus once into a token file, for data=tokens.
+r"""`python -m membudget.pretokenize OUT <overrides>`: tokenize a corpus once into a token file, for data=tokens.
 
 The overrides are train.py's: data= (and data.path, data.hf_*) say the source, tokenizer= (and tokenizer.path) the
 tokenizer. A run with data=tokens data.path=OUT and the same tokenizer trains on the batches a run over the source
@@ -6,8 +6,11 @@ would, for any data-parallel size, with each rank reading only its own rows of e
 reading and tokenizing all of it (every rank, every step):
 
     python -m membudget.pretokenize /data/c4.tokens data=c4 tokenizer=llama3 tokenizer.path=tokenizer.model \
-        --most-tokens 10_000_000_000
+        --most-tokens 2_000_000_000
     python train.py data=tokens data.path=/data/c4.tokens tokenizer=llama3 tokenizer.path=tokenizer.model
+
+A run reads train.steps x train.global_batch_size x (train.seq_len + 1) tokens (an 8B run of 1,000 steps at
+Table 1's 16 x 8192 per step: 131 M); --most-tokens that many or more keeps it within one epoch.
 
 A write that stops (Ctrl-C, SIGTERM from a SLURM time limit, a full disk) keeps what it wrote beside OUT, and the
 same command continues from there (membudget.token_file.write).
@@ -92,8 +95,9 @@ def _source_words(data) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m membudget.pretokenize", description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path, help="the token file to write (a directory; it must not exist yet)")
+    parser = argparse.ArgumentParser(prog="python -m membudget.pretokenize", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, help="the token file to write (a directory that must not exist yet)")
     parser.add_argument("overrides", nargs="*",
                         help="train.py's overrides that say the source and the tokenizer: data=jsonl data.path=... "
                              "tokenizer=llama3 tokenizer.path=...")
