@@ -117,7 +117,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         stopped_by.append("SIGTERM")
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, terminate)
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
         try:
             cfg = compose_config(args.overrides)
@@ -130,6 +130,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a SLURM time limit, scancel): token_file.write said what is kept
         return 143 if stopped_by == ["SIGTERM"] else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # main() called in a process that goes on (tests)
     return 0
 
 
