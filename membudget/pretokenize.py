@@ -31,13 +31,13 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from membudget.data import (Documents, HubDocuments, TokenizedDocuments, build_tokenizer, data_fingerprint,
-                            read_ahead, tokenize_threads, tokenizer_words)
+from membudget.data import Documents, HubDocuments, TokenizedDocuments, data_fingerprint, read_ahead, tokenize_threads
 from membudget.errors import UserError
 from membudget.launch import compose_config
 from membudget.rules import check_data
 from membudget.schema import DataName
 from membudget.token_file import refuse_existing, write
+from membudget.tokenizer import build_tokenizer, tokenizer_words
 
 log = logging.getLogger("membudget")
 

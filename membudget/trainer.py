@@ -32,8 +32,7 @@ from membudget.ac import compiler_scope
 from membudget.auto import choose_for_run, write_plan
 from membudget.checkpoint import Checkpointer, config_changes, save_seconds
 from membudget.collector import scheduled_gc
-from membudget.data import (Prefetcher, TokenBatches, build_tokenizer, data_changes, data_fingerprint,
-                            tokenize_threads, unpinned_hub_data, vocab_size_check)
+from membudget.data import Prefetcher, TokenBatches, data_changes, data_fingerprint, tokenize_threads, unpinned_hub_data
 from membudget.diagnostics import Diagnostics
 from membudget.console import quiet_log_file_errors
 from membudget.errors import Stopped, UserError
@@ -62,6 +61,7 @@ from membudget.schema import (ACMode, NonFinite, ac_label, block_policies, budge
                               resolved)
 from membudget.step import Numerics, StepShape, build_model, build_optimizer, forward_backward
 from membudget.stop import StopSignals, stopped_by
+from membudget.tokenizer import build_tokenizer, vocab_size_check
 from membudget.units import GiB, MiB
 
 log = logging.getLogger("membudget")

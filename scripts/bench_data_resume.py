@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from membudget.data import ByteTokenizer, TokenBatches  # noqa: E402
+from membudget.data import TokenBatches  # noqa: E402
+from membudget.tokenizer import ByteTokenizer  # noqa: E402
 from membudget.schema import DataConfig  # noqa: E402
 
 

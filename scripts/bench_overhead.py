@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from membudget.ac import compiler_scope  # noqa: E402
-from membudget.data import TokenBatches, build_tokenizer  # noqa: E402
+from membudget.data import TokenBatches  # noqa: E402
+from membudget.tokenizer import build_tokenizer  # noqa: E402
 from membudget.launch import compose_config  # noqa: E402
 from membudget.step import build_model  # noqa: E402
 from membudget.trainer import train  # noqa: E402

@@ -35,9 +35,10 @@ sys.path.insert(0, str(ROOT))
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from membudget.data import Documents, Llama3Tokenizer, TokenBatches  # noqa: E402
+from membudget.data import Documents, TokenBatches  # noqa: E402
 from membudget.pretokenize import pretokenize  # noqa: E402
 from membudget.schema import DataConfig, DataName, TokenizerConfig  # noqa: E402
+from membudget.tokenizer import Llama3Tokenizer  # noqa: E402
 
 BATCH, SEQ, DOC_CHARS = 32, 8191, 2200
 

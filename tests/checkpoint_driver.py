@@ -17,7 +17,8 @@ import torch.distributed as dist
 from membudget.ac import compiler_scope
 from membudget.checkpoint import Checkpointer
 from membudget.collector import collect_rarely
-from membudget.data import TokenBatches, build_tokenizer
+from membudget.data import TokenBatches
+from membudget.tokenizer import build_tokenizer
 from membudget.launch import init_distributed, launch_from_env
 from membudget.metrics import ActivationCounter
 from membudget.parallel import build_mesh, dp_coordinates

@@ -15,20 +15,11 @@ import pytest
 import torch
 
 import membudget.data
-from membudget.data import (
-    LLAMA3_SPECIAL_TOKENS,
-    ByteTokenizer,
-    Documents,
-    Llama3Tokenizer,
-    Prefetcher,
-    TokenBatches,
-    build_tokenizer,
-    unpinned_hub_data,
-    vocab_size_check,
-)
+from membudget.data import Documents, Prefetcher, TokenBatches, unpinned_hub_data
 from membudget.errors import UserError
 from membudget.options import group_options
 from membudget.schema import DataConfig, TokenizerConfig
+from membudget.tokenizer import LLAMA3_SPECIAL_TOKENS, ByteTokenizer, Llama3Tokenizer, build_tokenizer, vocab_size_check
 from tests.conftest import compose_cfg, wait_until
 
 MERGES = [b"th", b"he", b"the", b" t"]  # ranks 256.. after the 256 single bytes
@@ -147,7 +138,7 @@ def test_pydoc_and_synthetic_never_import_datasets(tmp_path, monkeypatch):
     data = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(data)
     for name in ("pydoc", "synthetic"):
-        batches = data.TokenBatches(DataConfig(name=name), data.ByteTokenizer(), 2, 16, seed=0)
+        batches = data.TokenBatches(DataConfig(name=name), ByteTokenizer(), 2, 16, seed=0)
         assert next(batches)[0].shape == next(batches)[0].shape == (2, 16)
     with pytest.raises(ImportError):  # the check can fail: reading files does need datasets
         list(data.Documents(DataConfig(name="text", path=str(write_docs(tmp_path, ["text"])))).read())
