@@ -36,7 +36,7 @@ from membudget.errors import UserError
 from membudget.launch import compose_config
 from membudget.rules import check_data
 from membudget.schema import DataName
-from membudget.token_file import refuse_existing, write
+from membudget.token_file import partial_dir, refuse_existing, write
 from membudget.tokenizer import build_tokenizer, tokenizer_words
 
 log = logging.getLogger("membudget")
@@ -129,6 +129,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.error("error: %s", e)
         return 2
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (a SLURM time limit, scancel): token_file.write said what is kept
+        if not partial_dir(args.out.expanduser().absolute()).exists():
+            log.warning("pretokenize: stopped before it wrote anything")
         return 143 if stopped_by == ["SIGTERM"] else 130
     finally:
         signal.signal(signal.SIGTERM, previous)  # main() called in a process that goes on (tests)
