@@ -66,7 +66,7 @@ def main(cfg: DictConfig) -> float:
 def _note_failed_job(job_dir: Path, error: str) -> None:
     """A sweep's job that failed before the trainer wrote its summary.json (a config the validation refused):
     a summary saying so, for the sweep's report; never in a dir another run holds."""
-    from membudget.rundir import DirLock
+    from membudget.dirlock import DirLock
 
     if (job_dir / "summary.json").exists():
         return

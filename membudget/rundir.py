@@ -1,19 +1,13 @@
-"""A run dir belongs to one run at a time: an exclusive lock for the run's life, and a fresh start that moves
-an earlier run's files aside instead of mixing them with its own.
-
-The lock is `fcntl.flock` on `<run dir>/.lock`: the OS releases it when the process ends in any way (a
-SIGKILLed run never blocks its own resume), and the file names the holder for the one-line error. The file is
-removed when the run releases it, so it is there only while a run holds it (or after a SIGKILL).
-"""
+"""A run dir belongs to one run at a time: an exclusive lock for the run's life (membudget.dirlock.DirLock on
+`<run dir>/.lock`), and a fresh start that moves an earlier run's files aside instead of mixing them with its
+own."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Optional
@@ -24,60 +18,11 @@ from membudget.errors import UserError
 
 log = logging.getLogger("membudget")
 
-LOCK = ".lock"
 ARCHIVE = "archived"
 COMPILE_CACHE = "compile_cache.bin"  # the run's compiled code (membudget.compile_cache)
 # What a run writes into its dir (Hydra's own .hydra/ and the log files belong to the current invocation).
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "wandb", "memory_budget_pareto", "profile",
              "memory_snapshot.pickle", COMPILE_CACHE)
-
-
-class DirLock:
-    """A dir's exclusive lock: held by a run's rank 0 from the start of the run to its end (the defaults), or by
-    whatever else writes a dir that must have one writer (a token file's partial dir). `name`, `holder` and `fix`
-    word the one-line refusal of a second writer."""
-
-    def __init__(self, directory: Path, name: Optional[str] = None, holder: str = "another run",
-                 fix: str = "wait for it to end, or give this run its own hydra.run.dir"):
-        self.path = Path(directory) / LOCK
-        self.name = name or f"hydra.run.dir={str(directory)!r}"
-        self.holder, self.fix = holder, fix
-        self._fd: Optional[int] = None
-
-    def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
-                os.close(fd)
-                raise UserError(f"{self.name}: {self.holder} is using it ({holder}); {self.fix}") from None
-            # the holder removes the file on release: a lock taken on a file no longer at the path is no lock
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                 .encode())
-        self._fd = fd
-
-    def release(self) -> None:
-        """Remove the lock file, then unlock: the file exists only while a run holds it, so a run that ends
-        (or is refused after its lock, or by it) leaves no `.lock` behind. A process SIGKILLed while holding
-        it leaves the file, unlocked: the next run takes it over."""
-        if self._fd is not None:
-            try:
-                os.unlink(self.path)  # still holding the lock: acquire() above retries on the new file
-            except OSError:
-                pass  # already gone, or the dir is read-only now: the unlocked file is harmless
-            os.close(self._fd)  # closing releases the flock
-            self._fd = None
 
 
 def previous_run(run_dir: Path) -> Optional[str]:

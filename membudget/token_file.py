@@ -29,7 +29,7 @@ import numpy as np
 
 from membudget.errors import UserError
 from membudget.metrics import write_json
-from membudget.rundir import DirLock
+from membudget.dirlock import DirLock
 from membudget.units import fmt_bytes
 
 log = logging.getLogger("membudget")

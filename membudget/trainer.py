@@ -56,7 +56,8 @@ from membudget.model import num_params
 from membudget.offload import find_offloader
 from membudget.parallel import all_reduce, broadcast_object, build_mesh, clip_grad_norm, dp_coordinates, gradient_sync
 from membudget.rules import compile_enabled, data_wait_line, validate
-from membudget.rundir import DirLock, start_fresh
+from membudget.dirlock import DirLock
+from membudget.rundir import start_fresh
 from membudget.schema import (ACMode, NonFinite, ac_label, block_policies, budget_of, compact_policies, is_auto,
                               resolved)
 from membudget.step import Numerics, StepShape, build_model, build_optimizer, forward_backward

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from membudget.rundir import LOCK
+from membudget.dirlock import LOCK
 from tests.conftest import ROOT, TINY, read_metrics, subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]

@@ -302,7 +302,7 @@ def test_train_py_reports_hydra_errors_in_one_line(tmp_path):
 # --- the run dir's lock file -------------------------------------------------------------------------------------
 
 def test_the_lock_file_exists_only_while_a_run_holds_it(tmp_path):
-    from membudget.rundir import LOCK, DirLock
+    from membudget.dirlock import LOCK, DirLock
 
     run_dir = tmp_path / "run"
     holder = DirLock(run_dir)

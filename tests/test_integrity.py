@@ -102,7 +102,7 @@ def test_skip_policy_skips_a_bad_step_and_goes_on(tmp_path, monkeypatch):
 def test_a_second_run_in_a_used_dir_is_refused_naming_the_holder(tmp_path):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from membudget.rundir import DirLock; "
+        [sys.executable, "-c", "import sys, time; from membudget.dirlock import DirLock; "
          "DirLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)", str(run_dir)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True, env=subprocess_env(PYTHONPATH=str(ROOT)))
     try:
