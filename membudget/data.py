@@ -312,11 +312,11 @@ def _checked_texts(texts: list, cfg: DataConfig, first: int) -> list:
 
 class HubDocuments:
     """A Hugging Face dataset's documents (streamed, or downloaded and read as a stream) from the `start`-th, which
-    also says where each one lies in the stream's own resumable position (`IterableDataset.state_dict`): a resumed run continues there, where
-    `skip` streamed every document before it again (for C4 or FineWeb far into a run, every shard before it
-    downloaded again before the first step). datasets restarts a position by reading its shard from the start, and
-    the shard before when the position lies in its shard's first table. The first document is read at once: a bad
-    first record fails before the run starts."""
+    also says where each one lies in the stream's own resumable position (`IterableDataset.state_dict`): a resumed
+    run continues there, where `skip` streamed every document before it again (for C4 or FineWeb far into a run,
+    every shard before it downloaded again before the first step). datasets restarts a position by reading its
+    shard from the start, and the shard before when the position lies in its shard's first table. The first
+    document is read at once: a bad first record fails before the run starts."""
 
     def __init__(self, ds, cfg: DataConfig, start: int, resume: Optional[dict]):
         self.cfg, self._ds = cfg, ds

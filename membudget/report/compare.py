@@ -26,8 +26,8 @@ COLUMNS = [
     "offload_host_bytes", "activation_bytes",
     "planned_activation_bytes", "activation_vs_planned", "activation_bytes_per_block", "peak_memory_bytes",
     "planned_peak_memory_bytes", "steady_peak_memory_bytes", "median_tokens_per_s", "median_step_time_s",
-    "median_data_wait_s", "step_time_vs_none", "mfu", "compile_s", "skipped_steps", "final_loss", "max_abs_loss_diff", "loss_flagged",
-    "pareto", "study",
+    "median_data_wait_s", "step_time_vs_none", "mfu", "compile_s", "skipped_steps", "final_loss", "max_abs_loss_diff",
+    "loss_flagged", "pareto", "study",
 ]
 
 
