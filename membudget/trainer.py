@@ -34,6 +34,7 @@ from membudget.checkpoint import Checkpointer, config_changes, save_seconds
 from membudget.collector import scheduled_gc
 from membudget.data import Prefetcher, TokenBatches, data_changes, data_fingerprint, tokenize_threads, unpinned_hub_data
 from membudget.diagnostics import Diagnostics
+from membudget.dirlock import DirLock
 from membudget.console import quiet_log_file_errors
 from membudget.errors import Stopped, UserError
 from membudget.fit import CHECKPOINT_BYTES_PER_PARAMETER, WEIGHT_BYTES, check_fits, check_host_fits
@@ -56,7 +57,6 @@ from membudget.model import num_params
 from membudget.offload import find_offloader
 from membudget.parallel import all_reduce, broadcast_object, build_mesh, clip_grad_norm, dp_coordinates, gradient_sync
 from membudget.rules import compile_enabled, data_wait_line, validate
-from membudget.dirlock import DirLock
 from membudget.rundir import start_fresh
 from membudget.schema import (ACMode, NonFinite, ac_label, block_policies, budget_of, compact_policies, is_auto,
                               resolved)
