@@ -386,6 +386,7 @@ class Heartbeat:
     whose counters stand still, and what became of each one's process where this rank can see it."""
 
     PERIOD_S = 1.0
+    STORE_TIMEOUT_S = 30.0  # the thread's store calls' (a job's start can keep the store busy); at exit, its wait
     instance: "Optional[Heartbeat]" = None
 
     def __init__(self, launch: Launch):
@@ -402,7 +403,15 @@ class Heartbeat:
         if launch.world_size > 1 and cls.instance is None and os.environ.get("MASTER_PORT"):
             cls.instance = cls(launch)
             cls.instance.thread.start()
-            atexit.register(cls.instance.done.set)
+            atexit.register(cls.instance.stop)
+
+    def stop(self) -> None:
+        """At exit: stop beating, and wait (at most STORE_TIMEOUT_S) for the thread to come back from the store. A
+        daemon thread still inside one of torch's C++ calls while the interpreter finalizes is ended there, and the
+        process aborts ("terminate called without an active exception", SIGABRT) after its work is done: a run
+        that stopped early with a one-line error (another node's config) died so under load."""
+        self.done.set()
+        self.thread.join(self.STORE_TIMEOUT_S)
 
     def _client(self, timeout_s: float):
         import torch.distributed as dist
@@ -412,7 +421,7 @@ class Heartbeat:
 
     def _beat(self) -> None:
         try:
-            store = self._client(30)
+            store = self._client(self.STORE_TIMEOUT_S)
             store.set(f"{self.prefix}process/{self.launch.rank}", process_identity())
             while not self.done.is_set():
                 store.add(f"{self.prefix}{self.launch.rank}", 1)

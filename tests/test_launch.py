@@ -307,6 +307,47 @@ def test_at_exit_the_process_group_is_left_with_gloos_workers_idle():
     assert not dist.is_initialized()
 
 
+# A rank whose heartbeat is inside a store call as it exits: the call waits 0.5 s on a key no one sets, then
+# bumps the counter (a store slow to answer, as at a loaded job's start)
+_EXIT_WHILE_BEATING = """
+import datetime, os, sys, threading
+import torch.distributed as dist
+from membudget.launch import Heartbeat, Launch
+
+server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(server.port)
+inside = threading.Event()
+
+class SlowStore(dist.TCPStore):
+    def add(self, key, amount):
+        inside.set()
+        try:
+            self.wait(["membudget/never"], datetime.timedelta(seconds=0.5))
+        except dist.DistError:
+            pass
+        return super().add(key, amount)
+
+Heartbeat._client = lambda self, timeout_s: SlowStore("127.0.0.1", server.port, None, False,
+                                                      timeout=datetime.timedelta(seconds=timeout_s))
+Heartbeat.start(Launch(rank=1, world_size=2, launcher="torchrun", job_key="job"))
+assert inside.wait(30)
+print("exiting", flush=True)
+sys.exit(3)
+"""
+
+
+def test_a_rank_that_exits_while_its_heartbeat_is_in_a_store_call_exits_with_its_own_code():
+    """A rank that stops with an error right after joining (check_same_run: another node's config) exits while its
+    heartbeat thread may be inside one of the store's C++ calls. Waited for at exit, the process ends with its own
+    exit code; left running, the thread is ended inside C++ as the interpreter finalizes and the process aborts
+    with SIGABRT ("terminate called without an active exception"), which a loaded suite once showed."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_BEATING], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert "exiting" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 3, (done.returncode, done.stderr[-3000:])
+    assert "terminate called" not in done.stderr
+
+
 def test_a_lost_ranks_process_is_told_running_suspended_or_dead_where_this_machine_sees_it():
     """What the line for a rank whose heartbeat stopped says of its process (Heartbeat.stopped_ranks): the identity
     a real process leaves (process_identity), read back while it runs, stopped by SIGSTOP, killed (a zombie until
