@@ -1,4 +1,5 @@
-"""python -m membudget.report <sweep dir>: read the sweep, compare, write the report (see the package doc)."""
+"""python -m membudget.report <sweep dir>: read a sweep's runs, compare each loss with ac=none's, and write which
+AC setting is fastest at which memory (report.md, report.csv and plots, in the sweep dir)."""
 
 from __future__ import annotations
 
@@ -65,9 +66,7 @@ def _fraction(text: str) -> float:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from membudget import report
-
-    parser = argparse.ArgumentParser(prog="python -m membudget.report", description=report.__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m membudget.report", description=__doc__.split(": ", 1)[1])
     parser.add_argument("sweep_dir", type=Path, help="the multirun dir (hydra.sweep.dir) holding the job dirs")
     parser.add_argument("--tolerance", type=float, default=TOLERANCE,
                         help=f"flag runs whose loss differs from ac=none by more than X*(1+|loss|) (default {TOLERANCE})")
