@@ -195,7 +195,6 @@ class Memory:
     allocator_allocated: int = 0  # the allocator's peak allocated (rounded block sizes): max_memory_allocated
     retries: int = 0
     ooms: int = 0
-    unmatched_frees: int = 0
 
 
 def carried(live: dict, nbytes: int, ordinal: int):
@@ -219,7 +218,6 @@ def simulate(phases: list[Phase], allocator: Optional[CachingAllocator] = None) 
     peak = Moment()
     growth: list[Moment] = []  # each time the allocator reserved more
     per_step: dict[int, Moment] = {}
-    unmatched = 0
     ordinal, current = 0, None  # which micro-batch (or optimizer step) of the replay a phase belongs to
 
     def release(key) -> None:
@@ -249,11 +247,8 @@ def simulate(phases: list[Phase], allocator: Optional[CachingAllocator] = None) 
                                              {**totals, "allocator slack": allocator.reserved - in_use}))
                 if in_use > step_peak.nbytes:
                     per_step[phase.step] = step_peak = Moment(in_use, phase.label, phase.step, dict(totals))
-            elif tag == "f":
-                if event[1] in live:
-                    release(event[1])
-                else:
-                    unmatched += 1
+            elif tag == "f":  # of an allocation the probe recorded (Recorder._died): a KeyError is a replay bug
+                release(event[1])
             elif tag == "c":
                 key = carried(live, event[1], ordinal)
                 if key is not None:
@@ -263,7 +258,7 @@ def simulate(phases: list[Phase], allocator: Optional[CachingAllocator] = None) 
                     release(key)
         if step_peak.nbytes > peak.nbytes:
             peak = step_peak
-    memory = Memory(peak, per_step, unmatched_frees=unmatched)
+    memory = Memory(peak, per_step)
     if allocator is not None:
         # Reserved memory only grows (nothing releases it but memory pressure): its peak is placed where it came
         # within 1% of its final value (later growth is small segments), the slack counting what came later
