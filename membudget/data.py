@@ -430,11 +430,11 @@ def _documents(cfg: DataConfig) -> dict:
         return {}
     root = os.path.dirname(files[0]) if len(files) == 1 else os.path.commonpath(files)
     sampled = set(np.linspace(0, len(files) - 1, min(len(files), FINGERPRINT_FILES)).round().astype(int).tolist())
-    return {"files": {os.path.relpath(f, root): [os.path.getsize(f), _contentdigest(f) if i in sampled else None]
+    return {"files": {os.path.relpath(f, root): [os.path.getsize(f), _content_digest(f) if i in sampled else None]
                       for i, f in enumerate(files)}}
 
 
-def _contentdigest(path: str) -> str:
+def _content_digest(path: str) -> str:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         if size <= FINGERPRINT_CHUNKS * FINGERPRINT_CHUNK:

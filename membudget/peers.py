@@ -63,8 +63,8 @@ def peer_lost_line(cfg, run_dir: Path, checkpoint_timeout_s: Optional[float], er
         done = [p for p in saved_checkpoints(run_dir) if (p / MANIFEST).is_file()]  # complete saves, oldest first
         resume = (f"the last complete checkpoint is {done[-1].name}: rerun the same command to resume" if done
                   else "no checkpoint was completed yet: rerunning the same command starts again from step 0")
-    at = f" at step {step}" if step is not None else ""
-    return f"{who} during {phase}{at} ({setting}); {resume}"
+    when = f" at step {step}" if step is not None else ""
+    return f"{who} during {phase}{when} ({setting}); {resume}"
 
 
 # what a stopped rank's process_state says, singular and plural (its process is on this machine; None: elsewhere)

@@ -27,9 +27,9 @@ from typing import Callable, Optional, Protocol
 
 import numpy as np
 
+from membudget.dirlock import DirLock
 from membudget.errors import UserError
 from membudget.metrics import write_json
-from membudget.dirlock import DirLock
 from membudget.units import fmt_bytes
 
 log = logging.getLogger("membudget")

@@ -16,9 +16,9 @@ import torch
 
 from membudget import token_file
 from membudget.data import TokenBatches, data_changes, data_fingerprint
+from membudget.dirlock import DirLock
 from membudget.errors import UserError
 from membudget.pretokenize import SourceIds, main, made_from, pretokenize
-from membudget.dirlock import DirLock
 from membudget.token_file import META, TOKENS, TokenFile, partial_dir
 from membudget.tokenizer import Llama3Tokenizer, build_tokenizer
 from tests.conftest import TINY, compose_cfg, read_metrics, small_tmpfs, train_here, wait_until
