@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from membudget.collector import collect_rarely
 from membudget.console import log_error_once, one_line_hydra_errors, override_problem, quiet_log_file_errors
 from membudget.errors import Stopped, UserError
-from membudget.launch import launch_from_env, register_configs
+from membudget.launch import exit_without_stranded_calls, launch_from_env, register_configs
 from membudget.options import CONF_DIR
 from membudget.rules import validate
 from membudget.search import objective
@@ -91,5 +91,7 @@ if __name__ == "__main__":
     if problem:
         sys.stderr.write(f"error: {problem}\n")
         sys.exit(1)
-    with one_line_hydra_errors():  # composition errors, a sweep's failed jobs: one line each, no traceback
+    # composition errors, a sweep's failed jobs: one line each, no traceback; a rank whose join or lost-peer
+    # lookup outlived its deadline exits with its own code, not SIGABRT
+    with exit_without_stranded_calls(), one_line_hydra_errors():
         main()

@@ -1,5 +1,5 @@
-"""Every private API of PyTorch, Hydra and Hugging Face datasets that membudget uses, each in one place, with
-what it stands in for.
+"""Every private API of PyTorch, Hydra, Hugging Face datasets and Python itself that membudget uses, each in one
+place, with what it stands in for.
 
 When a public API appears for one of these, only this file changes. Two exceptions, imported where Hydra loads
 them before any run starts, which must not import torch (as this module does): the Optuna sweeper's
@@ -376,3 +376,11 @@ def wait_for_idle_gloo_workers(timeout_s: float = 2.0, poll_s: float = 0.01) -> 
         time.sleep(poll_s)  # the GIL is free: a worker waiting for it takes it and finishes
         quiet = quiet + 1 if all_asleep(tasks) else 0
     return True
+
+
+# atexit._run_exitfuncs: the registered exit handlers, run now as the interpreter's exit would run them, for a
+# process that then ends with os._exit (launch.exit_without_stranded_calls); the atexit module has no public call.
+def run_exit_handlers() -> None:
+    import atexit
+
+    atexit._run_exitfuncs()

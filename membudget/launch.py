@@ -20,6 +20,7 @@ ephemeral range (32768-60999), where a port can already be in use by an outgoing
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import functools
 import itertools
@@ -266,9 +267,13 @@ def _leave_process_group() -> None:
     wait_for_idle_gloo_workers()
 
 
+_STRANDED: list = []  # within_deadline's threads whose call outlived its deadline (see exit_without_stranded_calls)
+
+
 def within_deadline(fn, seconds: float, message: str):
     """fn() in a helper thread, raising UserError(message) when it has not returned after `seconds` (the
-    thread is left blocked; the process exits soon after). Its exceptions are raised here."""
+    thread is left blocked; the process exits soon after, through exit_without_stranded_calls). Its exceptions
+    are raised here."""
     import threading
 
     box: dict[str, Any] = {}
@@ -283,10 +288,44 @@ def within_deadline(fn, seconds: float, message: str):
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
+        _STRANDED.append(thread)
         raise UserError(message)
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+@contextlib.contextmanager
+def exit_without_stranded_calls():
+    """The process's exit (train.py's entry point). A call that outlived within_deadline's deadline (a store
+    that never answers) may return while the interpreter finalizes; its thread is then ended inside torch's C++
+    and the process aborts with SIGABRT ("terminate called without an active exception") instead of exiting
+    with its own code. While such a call is still running at exit, the exit handlers run here (W&B's, the
+    logs', the process group's), then the process ends with its code without finalizing."""
+    import sys
+    import threading
+
+    try:
+        yield
+        code = 0
+    except SystemExit as e:
+        code = e.code
+        if not any(t.is_alive() for t in _STRANDED):
+            raise
+    if not any(t.is_alive() for t in _STRANDED):
+        return
+    if code is not None and not isinstance(code, int):  # as Python's own exit: the message, then 1
+        print(code, file=sys.stderr)
+        code = 1
+    for thread in threading.enumerate():  # as the interpreter's exit: its other threads first, daemons aside
+        if not thread.daemon and thread is not threading.current_thread():
+            thread.join()
+    from membudget.internals import run_exit_handlers  # torch is loaded: a process group was being joined
+
+    run_exit_handlers()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 # --- a launcher that goes away, a peer that stops answering ---------------------------------------------------

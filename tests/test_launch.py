@@ -348,6 +348,44 @@ def test_a_rank_that_exits_while_its_heartbeat_is_in_a_store_call_exits_with_its
     assert "terminate called" not in done.stderr
 
 
+# A rank whose join outlived its deadline: the store call returns 1.5 s later, while an object's teardown holds
+# the interpreter's finalization open with the GIL released (as torch's own teardown can)
+_EXIT_WHILE_A_CALL_IS_STRANDED = """
+import datetime, sys, time
+import torch.distributed as dist
+from membudget.errors import UserError
+from membudget.launch import exit_without_stranded_calls, within_deadline
+
+server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+client = dist.TCPStore("127.0.0.1", server.port, None, False, timeout=datetime.timedelta(seconds=30))
+
+class SlowTeardown:
+    def __del__(self, sleep=time.sleep):
+        sleep(4)
+
+held = SlowTeardown()
+with exit_without_stranded_calls():
+    try:
+        within_deadline(lambda: client.wait(["never"], datetime.timedelta(seconds=1.5)), 0.2, "no answer")
+    except UserError as e:
+        print("error:", e, flush=True)
+        sys.exit(3)
+"""
+
+
+def test_a_rank_whose_call_outlived_its_deadline_exits_with_its_own_code():
+    """within_deadline leaves a call that outlived its deadline running (a store that never answers, at joining or
+    at naming a lost peer). If it returns while the interpreter finalizes, its thread is ended inside C++ and the
+    process aborts (SIGABRT, "terminate called without an active exception"): three times in three without
+    exit_without_stranded_calls, which train.py's entry point runs. With it, the exit handlers run and the
+    process ends with its own code and its output."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_A_CALL_IS_STRANDED], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.stdout == "error: no answer\n", done.stderr[-3000:]
+    assert done.returncode == 3, (done.returncode, done.stderr[-3000:])
+    assert "terminate called" not in done.stderr
+
+
 def test_a_lost_ranks_process_is_told_running_suspended_or_dead_where_this_machine_sees_it():
     """What the line for a rank whose heartbeat stopped says of its process (Heartbeat.stopped_ranks): the identity
     a real process leaves (process_identity), read back while it runs, stopped by SIGSTOP, killed (a zombie until
