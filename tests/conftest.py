@@ -148,8 +148,19 @@ class Ranks:
 
     @property
     def log(self) -> str:
-        """What to read when it failed."""
+        """Everything: torchrun's report of the failed ranks, then every rank's output."""
         return self.failure + self.console
+
+    def why(self, tail: int = 2000) -> str:
+        """What to read when it failed, for an assertion's message: torchrun's report, then each rank's last `tail`
+        characters of stdout and of stderr, where a rank that died of a native fault has its threads' stacks
+        (faulthandler's "Fatal Python error", which train.py enables) kept whole."""
+        parts = [self.failure]
+        for rank, (out, err) in enumerate(self.outputs):
+            fatal = err.find("Fatal Python error")
+            parts.append(f"--- rank {rank}: stdout ---\n{out[-tail:]}\n--- rank {rank}: stderr ---\n"
+                         f"{err[fatal:] if fatal >= 0 else err[-tail:]}")
+        return "\n".join(parts)
 
 
 # Forked by every run_ranks rank: what the ranks import is imported once, by the fork server. Dynamo and the
