@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -82,8 +83,14 @@ def _our_traceback(output: str) -> bool:
     return re.search(r'File "[^"]*(membudget/|train\.py)', output) is not None
 
 
-def _error_lines(output: str) -> list[str]:
-    return [line for line in output.splitlines() if "error: " in line]
+def _one_error_line(output: str, run: Optional[Path] = None) -> str:
+    """The output's one "error: " line; none or several fail with the output's tail (and the run's train.log): a
+    rank ended by a signal or a traceback before its line is seen there."""
+    errors = [line for line in output.splitlines() if "error: " in line]
+    log = run / "train.log" if run is not None else None
+    shown = f"\n--- {log} ---\n{log.read_text()[-3000:]}" if log is not None and log.is_file() else ""
+    assert len(errors) == 1, f"{len(errors)} error lines; the output's tail:\n{output[-3000:]}{shown}"
+    return errors[0]
 
 
 # --- 6: two nodes, different overrides and data ---------------------------------------------------------------
@@ -111,9 +118,7 @@ def test_nodes_launched_with_different_overrides_or_data_stop_in_one_line(tmp_pa
     outs = [p.communicate(timeout=180)[0] for p in procs]
     output = "\n".join(outs)
     assert all(p.returncode != 0 for p in procs), output[-3000:]
-    errors = _error_lines(output)
-    assert len(errors) == 1, output[-3000:]  # once for the job (both "nodes" share this host's console)
-    (line,) = errors
+    line = _one_error_line(output)  # once for the job (both "nodes" share this host's console)
     for shown in ("model.n_layers=4 on rank 0, 3 on rank 1", "0.0005 on rank 1",
                   "the data differs: b.txt is 296 bytes on rank 0 and 333 on rank 1"):
         assert shown in line, line
@@ -149,7 +154,7 @@ def test_a_rank_killed_during_saves_is_named_in_one_line(tmp_path):
     # a bound no loaded machine reaches, where `< 60 s` could be
     assert elapsed < 4 * 30, f"took {elapsed:.0f} s to end after a rank died"
     assert "rank      : 1" in output and "Signal 9 (SIGKILL)" in output, output[-3000:]
-    (line,) = _error_lines(output)
+    line = _one_error_line(output, run)
     assert re.search(r"rank 1 died \(its process on this machine is gone\) during .+ at step \d+ \("
                      r"(parallelism\.timeout_s=30|"
                      r"checkpoint\.timeout_s=\d+)\); the last complete checkpoint is step_\d+: rerun the same "
@@ -180,7 +185,7 @@ def test_a_rank_stopped_past_the_timeout_is_named_in_one_line(tmp_path):
         _kill_job(job)
     output = out.read_text()
     assert content and job.returncode != 0
-    (line,) = _error_lines(output)
+    line = _one_error_line(output, run)
     assert re.search(r"rank 1 is suspended \(its process on this machine is stopped: SIGSTOP, or a debugger\) "
                      r"during .+ at step \d+ \((parallelism|checkpoint)\.timeout_s=8\); "
                      r"the last complete checkpoint is step_\d+: rerun the same command to resume", line), line
@@ -234,7 +239,7 @@ def test_a_hand_launched_rank_gives_up_after_its_timeout(tmp_path):
                               stdin=subprocess.DEVNULL)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2, output[-3000:]
-    (line,) = _error_lines(output)
+    line = _one_error_line(output)
     assert f"127.0.0.1:{port}" in line and "parallelism.timeout_s=3" in line, line
     assert "Traceback" not in output  # one process, no torchrun: no traceback at all
 
