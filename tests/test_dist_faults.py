@@ -87,9 +87,10 @@ def _one_error_line(output: str, run: Optional[Path] = None) -> str:
     """The output's one "error: " line; none or several fail with the output's tail (and the run's train.log): a
     rank ended by a signal or a traceback before its line is seen there."""
     errors = [line for line in output.splitlines() if "error: " in line]
-    log = run / "train.log" if run is not None else None
-    shown = f"\n--- {log} ---\n{log.read_text()[-3000:]}" if log is not None and log.is_file() else ""
-    assert len(errors) == 1, f"{len(errors)} error lines; the output's tail:\n{output[-3000:]}{shown}"
+    if len(errors) != 1:  # train.log is read only for the message
+        log = run / "train.log" if run is not None else None
+        shown = f"\n--- {log} ---\n{log.read_text()[-3000:]}" if log is not None and log.is_file() else ""
+        raise AssertionError(f"{len(errors)} error lines; the output's tail:\n{output[-3000:]}{shown}")
     return errors[0]
 
 
