@@ -591,6 +591,30 @@ def open_token_file(cfg: DataConfig, tokenizer: Tokenizer) -> TokenFile:
     return file
 
 
+def token_file_of_source(saved: Optional[dict], cfg: DataConfig) -> Optional[TokenFile]:
+    """This run's token file where a checkpoint read its source (`saved`: the checkpoint's config's data section):
+    the run continues on the file from the checkpoint's place (TokenFile.position_of). One line when the file was
+    made from another source (the settings that say what is read; the files are compared by their fingerprints,
+    `source_fingerprint`). None when this run reads no token file, or the checkpoint did."""
+    if cfg.name != DataName.tokens or not saved or saved.get("name") in (DataName.tokens.value,
+                                                                         DataName.synthetic.value):
+        return None
+    file = TokenFile(cfg.path)
+    made = file.meta.get("source") or {}
+    differ = [f"data.{key}={saved.get(key)!r} there, {value!r} in its meta.json" for key, value in sorted(made.items())
+              if key != "path" and saved.get(key) != value]  # the path may differ: the files' fingerprints decide
+    if differ:
+        raise UserError(f"data.path={cfg.path!r}: made from another source than the checkpoint's ({'; '.join(differ)})"
+                        f"; continue on the checkpoint's source, or tokenize it: {PRETOKENIZE}")
+    return file
+
+
+def source_fingerprint(file: TokenFile, fingerprint: dict) -> dict:
+    """The fingerprint of the source that `file` was made from, with the tokenizer file of `fingerprint` (this
+    run's): what a checkpoint of a run over that source is compared with."""
+    return {**file.meta["source_fingerprint"], **{k: v for k, v in fingerprint.items() if k == "tokenizer"}}
+
+
 class TokenBatches:
     """Endless (inputs, labels) batches for one data-parallel rank: [global_batch_size // dp_size, seq_len] longs.
 

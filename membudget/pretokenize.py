@@ -9,6 +9,9 @@ reading and tokenizing all of it (every rank, every step):
         --most-tokens 2_000_000_000
     python train.py data=tokens data.path=/data/c4.tokens tokenizer=llama3 tokenizer.path=tokenizer.model
 
+A run already training on the source continues on the file: rerun its command with those two data= overrides (and
+its run dir), and it goes on from its last checkpoint's token (membudget.token_file.TokenFile.position_of).
+
 A run reads train.steps x train.global_batch_size x (train.seq_len + 1) tokens (an 8B run of 1,000 steps at
 Table 1's 16 x 8192 per step: 131 M); --most-tokens that many or more keeps it within one epoch.
 

@@ -3,6 +3,8 @@
 A token file is a directory:
     tokens.bin  every document's ids (BOS, its text's, EOS) in the corpus's order, little-endian uint16 or uint32
                 (the smallest that holds the tokenizer's ids): the stream TokenBatches packs on the fly
+    starts.bin  where each of the source's documents starts in tokens.bin (little-endian uint64; an empty one
+                where the next does): how a run started on the source continues on the file (format 2)
     meta.json   the dtype, the counts, the tokenizer and the source it was made from
 
 It is written in `.<name>.partial` beside its path (with progress.json, where the write stands) and renamed onto
@@ -10,7 +12,8 @@ the path once whole: a write that stops is continued by the same command.
 
 Read through a memory map: a rank reads its own rows of each global batch, B x (seq_len + 1) tokens at a known
 offset, and nothing else; no rank tokenizes, and none reads the global batch. The stream is the one the source
-gives on the fly, so the batches are the same as those of a run over the source (data.TokenBatches).
+gives on the fly, so the batches are the same as those of a run over the source (data.TokenBatches), and a run
+started on the source continues on the file from the same token (`TokenFile.position_of`).
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from membudget.units import fmt_bytes
 
 log = logging.getLogger("membudget")
 
-FORMAT = 1
-TOKENS, META, PROGRESS = "tokens.bin", "meta.json", "progress.json"
+FORMAT = 2  # what this version writes; 1 had no starts.bin
+READABLE = (1, 2)
+TOKENS, STARTS, META, PROGRESS = "tokens.bin", "starts.bin", "meta.json", "progress.json"
+START = np.dtype("<u8")
 # How often a write saves where it stands: what a stopped write (SIGKILL) may have to redo at most
 SAVE_EVERY_S = 30.0
 COMMAND = "python -m membudget.pretokenize OUT <the source's data= and tokenizer= overrides>"
@@ -111,30 +116,38 @@ def _write_into(partial: Path, source: Source, made: dict, dtype: np.dtype, most
                 progress) -> dict:
     """The token file written whole in `partial`, from where an earlier write stopped: its meta.json's content."""
     at = _resume_point(partial, made, dtype)
-    with open(partial / TOKENS, "r+b" if at["tokens"] else "wb") as f:
-        f.truncate(at["tokens"] * dtype.itemsize)  # ids written after the last save: written again now
-        f.seek(0, os.SEEK_END)
+    with open(partial / TOKENS, "r+b" if at["tokens"] else "wb") as f, \
+            open(partial / STARTS, "r+b" if at["doc"] else "wb") as starts:
+        # what was written after the last save is written again now
+        for file, size in ((f, at["tokens"] * dtype.itemsize), (starts, at["doc"] * START.itemsize)):
+            file.truncate(size)
+            file.seek(0, os.SEEK_END)
         try:
-            _write_ids(f, source, dtype, at, most_tokens, progress, lambda: _save(partial, f, made, at, source))
+            _write_ids(f, starts, source, dtype, at, most_tokens, progress,
+                       lambda: _save(partial, (f, starts), made, at, source))
         except BaseException:  # an interrupt, SIGTERM, a full disk: the point reached, if it can still be saved
             with contextlib.suppress(Exception):
-                _save(partial, f, made, at, source)
+                _save(partial, (f, starts), made, at, source)
             raise
     if at["tokens"] == 0:
         shutil.rmtree(partial, ignore_errors=True)
         raise UserError("pretokenize: the source has no text at all; point data.path (or data.hf_path) at data "
                         "with text")
-    written = {**made, "tokens": at["tokens"], "documents": at["documents"]}
+    # documents: those with ids; source_documents: every one read, empty ones too (starts.bin's length)
+    written = {**made, "tokens": at["tokens"], "documents": at["documents"], "source_documents": at["doc"]}
     (partial / META).write_text(json.dumps(written, indent=2) + "\n")
     (partial / PROGRESS).unlink(missing_ok=True)
     return written
 
 
-def _write_ids(f, source: Source, dtype: np.dtype, at: dict, most_tokens: Optional[int], progress, save) -> None:
-    """The documents' ids from the point `at` on, appended to `f`, with `at` moved past each document only once its
-    ids are written (one update: an interrupt between the two redoes the document); saved every SAVE_EVERY_S."""
+def _write_ids(f, starts, source: Source, dtype: np.dtype, at: dict, most_tokens: Optional[int], progress,
+               save) -> None:
+    """The documents' ids from the point `at` on, appended to `f`, and where each starts to `starts`, with `at`
+    moved past each document only once both are written (one update: an interrupt between the two redoes the
+    document); saved every SAVE_EVERY_S."""
     saved = time.monotonic()
     for ids in source.read(at["doc"], at["resume"]):
+        starts.write(np.array(at["tokens"], dtype=START).tobytes())
         if len(ids):
             f.write(np.asarray(ids).astype(dtype, copy=False).tobytes())
         at.update(doc=at["doc"] + 1, documents=at["documents"] + bool(len(ids)), tokens=at["tokens"] + len(ids))
@@ -152,7 +165,7 @@ def _resume_point(partial: Path, made: dict, dtype: np.dtype) -> dict:
     start = {"doc": 0, "documents": 0, "tokens": 0, "resume": None}
     try:
         saved = json.loads((partial / PROGRESS).read_text())
-        size = (partial / TOKENS).stat().st_size
+        size, starts = (partial / TOKENS).stat().st_size, (partial / STARTS).stat().st_size
     except (OSError, ValueError):
         return start  # none, or cut short by a full disk: the start
     if not isinstance(saved, dict) or saved.get("made") != made:
@@ -160,18 +173,22 @@ def _resume_point(partial: Path, made: dict, dtype: np.dtype) -> dict:
                     "--most-tokens", partial)
         return start
     at = saved["at"]
-    if size < at["tokens"] * dtype.itemsize:  # shorter than saved: not the file the point was saved for
-        log.warning("pretokenize: starting over in %s: %s is shorter than its saved point", partial, TOKENS)
-        return start
+    for name, have, need in ((TOKENS, size, at["tokens"] * dtype.itemsize),
+                             (STARTS, starts, at["doc"] * START.itemsize)):
+        if have < need:  # shorter than saved: not the file the point was saved for
+            log.warning("pretokenize: starting over in %s: %s is shorter than its saved point", partial, name)
+            return start
     log.info("pretokenize: continuing an earlier write from document %s (%s tokens of %s documents kept)",
              f"{at['doc']:,}", f"{at['tokens']:,}", f"{at['documents']:,}")
     return dict(at)
 
 
-def _save(partial: Path, f, made: dict, at: dict, source: Source) -> None:
-    """The ids written so far on disk, then the point after them (atomically): what a rerun continues from."""
-    f.flush()
-    os.fsync(f.fileno())
+def _save(partial: Path, files, made: dict, at: dict, source: Source) -> None:
+    """The ids (and starts) written so far on disk, then the point after them (atomically): what a rerun continues
+    from."""
+    for f in files:
+        f.flush()
+        os.fsync(f.fileno())
     write_json(partial / PROGRESS, {"made": made, "at": {**at, "resume": source.position(at["doc"])}})
 
 
@@ -190,7 +207,8 @@ def refuse_existing(out: Path) -> None:
 
 class TokenFile:
     """A token file, read through a memory map: `meta` (meta.json) and `read(start, n)`, the n tokens from
-    position `start` of the stream the file repeats epoch after epoch."""
+    position `start` of the stream the file repeats epoch after epoch; `position_of`, where a run over its source
+    continues in it."""
 
     def __init__(self, path: Optional[str]):
         if not path:
@@ -205,8 +223,9 @@ class TokenFile:
         try:
             self.meta = json.loads((self.path / META).read_text())
             dtype, count = np.dtype(self.meta["dtype"]), int(self.meta["tokens"])
-            if self.meta.get("format") != FORMAT:
-                raise ValueError(f"format {self.meta.get('format')!r}, this version reads {FORMAT}")
+            if self.meta.get("format") not in READABLE:
+                raise ValueError(f"format {self.meta.get('format')!r}, this version reads {READABLE}")
+            documents = int(self.meta["source_documents"]) if self.meta["format"] >= 2 else None
             if count < 1:
                 raise ValueError(f"{count} tokens")
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -218,6 +237,14 @@ class TokenFile:
                             f"{dtype.itemsize} bytes (a copy cut short?); copy it again, or write it again "
                             f"with {COMMAND}")
         self.tokens = np.memmap(self.path / TOKENS, dtype=dtype, mode="r", shape=(count,))
+        self.starts = None  # format 1 has none
+        if documents is not None:
+            size = (self.path / STARTS).stat().st_size if (self.path / STARTS).is_file() else None
+            if size != documents * START.itemsize:
+                raise UserError(f"{where}: {STARTS} has {size} bytes where meta.json says {documents:,} documents of "
+                                f"{START.itemsize} bytes (a copy cut short?); copy it again, or write it again with "
+                                f"{COMMAND}")
+            self.starts = np.memmap(self.path / STARTS, dtype=START, mode="r", shape=(documents,))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -231,3 +258,30 @@ class TokenFile:
             out[done:done + len(chunk)] = chunk
             done, at = done + len(chunk), 0
         return out
+
+    def position_of(self, source: dict) -> dict:
+        """Where a run over this file's source at `source` (data.TokenBatches' state: `offset` tokens into document
+        `doc` of epoch `epoch`) continues in the file: its next token, as a state of a run over the file. A file of
+        the whole source continues any position; one of its first documents (--most-tokens) a position before its
+        end, in the first epoch."""
+        where = f"data.path={str(self.path)!r}"
+        if self.starts is None:
+            raise UserError(f"{where}: written by an older version, which kept no {STARTS} (where each document "
+                            f"starts), so a run over its source cannot continue on it; write it again with {COMMAND}")
+        epoch, doc, offset = source["epoch"], source["doc"], source["offset"]
+        length, n = len(self.tokens), len(self.starts)
+        begins = int(self.starts[doc]) if doc < n else length
+        ends = int(self.starts[doc + 1]) if doc + 1 < n else length
+        whole = self.meta.get("most_tokens") is None
+        if (whole and doc >= n) or (doc < n and offset > ends - begins):
+            raise UserError(f"{where}: the run is {offset:,} tokens into document {doc:,} of its source, where this "
+                            f"file has {n:,} documents and that one {max(ends - begins, 0):,} tokens long: not the "
+                            f"source it was made from; continue on the source, or write the token file again with "
+                            f"{COMMAND}")
+        if not whole and (epoch > 0 or begins + offset >= length):
+            raise UserError(f"{where}: holds the source's first {n:,} documents (--most-tokens "
+                            f"{self.meta['most_tokens']:,}), and the run is past them (epoch {epoch}, document "
+                            f"{doc:,}); write a token file of more of the source (a larger --most-tokens, or none for "
+                            f"the whole) to continue on it, or continue on the source")
+        epoch, offset = divmod(epoch * length + begins + offset, length)
+        return {"step": source["step"], "epoch": epoch, "doc": 0, "offset": offset}

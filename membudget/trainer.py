@@ -32,7 +32,16 @@ from membudget.ac import compiler_scope
 from membudget.auto import choose_for_run, write_plan
 from membudget.checkpoint import Checkpointer, config_changes, save_seconds
 from membudget.collector import scheduled_gc
-from membudget.data import Prefetcher, TokenBatches, data_changes, data_fingerprint, tokenize_threads, unpinned_hub_data
+from membudget.data import (
+    Prefetcher,
+    TokenBatches,
+    data_changes,
+    data_fingerprint,
+    source_fingerprint,
+    token_file_of_source,
+    tokenize_threads,
+    unpinned_hub_data,
+)
 from membudget.diagnostics import Diagnostics
 from membudget.dirlock import DirLock
 from membudget.console import quiet_log_file_errors
@@ -163,26 +172,34 @@ def _kept_metrics(run_dir: Path, n: int, is_main: bool) -> list[dict[str, Any]]:
 def _resume(cfg, checkpointer: Checkpointer, model, optimizer, scheduler, data: dict) -> Optional[dict]:
     """Restore the checkpoint to continue from, if any, after checking that this run's config and data (its
     fingerprint, `data`) may continue it: what changes the model or the data stream is refused; the optimizer's
-    and the schedule's settings are applied (and logged); the rest (AC, compile, layout, logging) is allowed."""
+    and the schedule's settings are applied (and logged); the rest (AC, compile, layout, logging) is allowed. A run
+    over a source may continue on its token file (data=tokens), from the same token."""
     if cfg.checkpoint.resume == "never":
         return None
     now = resolved(cfg)
+    on_token_file = {}  # step -> the checkpoint's data position in this run's token file, where it read the source
 
     def accept(state: dict) -> None:
-        refused, applied, allowed = config_changes(state.get("config"), now)
+        file = token_file_of_source((state.get("config") or {}).get("data"), cfg.data)
+        refused, applied, allowed = config_changes(state.get("config"), now, token_file_of_source=file is not None)
         if refused:
             raise UserError(f"checkpoint.resume={cfg.checkpoint.resume!r}: the checkpoint at step {state['step']} was "
                             f"trained with other settings that change the model or the data ({'; '.join(refused)}); "
                             "set them back, or start fresh with checkpoint.resume=never "
                             "checkpoint.archive_old_run=true")
         # a checkpoint from before fingerprints has none: nothing to compare
-        changed = data_changes(state["extra"].get("data_fingerprint", data), data)
+        reads = data if file is None else source_fingerprint(file, data)
+        changed = data_changes(state["extra"].get("data_fingerprint", reads), reads)
+        what = ("the data changed since" if file is None
+                else f"the token file {cfg.data.path} was made from other data than")
         if changed and not cfg.checkpoint.allow_data_change:
-            raise UserError(f"checkpoint.resume={cfg.checkpoint.resume!r}: the data changed since the checkpoint at "
-                            f"step {state['step']} ({'; '.join(changed)}), so its position points into other text; "
+            raise UserError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {what} the checkpoint at step "
+                            f"{state['step']} ({'; '.join(changed)}), so its position points into other text; "
                             "restore the data, or set checkpoint.allow_data_change=true to continue anyway")
         if changed:
             log.warning("resuming over changed data (checkpoint.allow_data_change=true): %s", "; ".join(changed))
+        if file is not None:
+            on_token_file[state["step"]] = file.position_of(state["extra"]["data"])
         if state["step"] > cfg.train.steps:  # refused before any change is announced as taking effect
             raise UserError(f"train.steps={cfg.train.steps}: the checkpoint to resume is at step {state['step']}; "
                             f"set train.steps={state['step']} or more to continue it")
@@ -196,7 +213,13 @@ def _resume(cfg, checkpointer: Checkpointer, model, optimizer, scheduler, data: 
     if restored is None:
         return None
     _apply_optimizer_settings(cfg, optimizer, scheduler)
-    return restored[1]
+    state = restored[1]
+    if state["step"] in on_token_file:
+        source, state["extra"]["data"] = state["extra"]["data"], on_token_file[state["step"]]
+        log.info("continuing on the token file %s from the checkpoint's place in its source (epoch %d, %s tokens into "
+                 "document %s): token %s of epoch %d", cfg.data.path, source["epoch"], f"{source['offset']:,}",
+                 f"{source['doc']:,}", f"{state['extra']['data']['offset']:,}", state["extra"]["data"]["epoch"])
+    return state
 
 
 def _apply_optimizer_settings(cfg, optimizer, scheduler) -> None:

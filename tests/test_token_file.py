@@ -1,10 +1,12 @@
 """A corpus tokenized once (python -m membudget.pretokenize, data=tokens): the batches of its source on every
-data-parallel rank and across epochs and resumes, each rank reading only its own rows; a file written whole or
-not at all; a file that is not whole, or made by another tokenizer, refused in one line."""
+data-parallel rank and across epochs and resumes, each rank reading only its own rows; a run started on the source
+continued on the file; a file written whole or not at all; a file that is not whole, or made by another tokenizer
+or from another source, refused in one line."""
 
 import json
 import logging
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,13 +17,13 @@ import pytest
 import torch
 
 from membudget import token_file
-from membudget.data import TokenBatches, data_changes, data_fingerprint
+from membudget.data import TokenBatches, data_changes, data_fingerprint, token_file_of_source
 from membudget.dirlock import DirLock
 from membudget.errors import UserError
 from membudget.pretokenize import SourceIds, main, made_from, pretokenize
-from membudget.token_file import META, TOKENS, TokenFile, partial_dir
+from membudget.token_file import META, STARTS, TOKENS, TokenFile, partial_dir
 from membudget.tokenizer import Llama3Tokenizer, build_tokenizer
-from tests.conftest import TINY, compose_cfg, read_metrics, small_tmpfs, train_here, wait_until
+from tests.conftest import TINY, compose_cfg, read_metrics, read_summary, small_tmpfs, train_here, wait_until
 from tests.test_data import hf_cache_in_tmp, one_line_error, write_bpe, write_jsonl  # noqa: F401 (autouse)
 
 
@@ -37,6 +39,13 @@ def test_a_token_file_gives_its_sources_batches_on_each_rank_over_epochs_and_res
     meta = pretokenize(compose_cfg(*source), tmp_path / "a.tokens", threads=2)
     assert meta["documents"] == 240 and meta["dtype"] == "<u2"  # the 60 empty ones add nothing; 516 ids fit
     tokenizer = Llama3Tokenizer(str(tmp_path / "tokenizer.model"))
+    # where each document of the source starts, the empty ones too (where the next one does)
+    file, begins = TokenFile(str(tmp_path / "a.tokens")), 0
+    assert meta["source_documents"] == len(file.starts) == 300
+    for i, ids in enumerate(SourceIds(compose_cfg(*source).data, tokenizer, None, 1).read(0, None)):
+        assert file.starts[i] == begins and np.array_equal(file.tokens[begins:begins + len(ids)], ids), i
+        begins += len(ids)
+    assert begins == len(file) == meta["tokens"]
     data = compose_cfg(*source[:2]).data
     tokens = compose_cfg("data=tokens", f"data.path={tmp_path / 'a.tokens'}").data
 
@@ -145,8 +154,9 @@ def test_a_stopped_pretokenize_continues_where_it_stopped_and_writes_the_same_fi
     progress.write_text(json.dumps({"made": json.loads(progress.read_text())["made"], "at": first}))
     assert (partial_dir(out) / TOKENS).stat().st_size > first["tokens"] * 2
     assert pretokenize(cfg, out, threads=2) == whole
-    assert (out / TOKENS).read_bytes() == (tmp_path / "whole.tokens" / TOKENS).read_bytes()
-    assert sorted(p.name for p in out.iterdir()) == [META, TOKENS] and not partial_dir(out).exists()
+    for name in (TOKENS, STARTS):
+        assert (out / name).read_bytes() == (tmp_path / "whole.tokens" / name).read_bytes(), name
+    assert sorted(p.name for p in out.iterdir()) == [META, STARTS, TOKENS] and not partial_dir(out).exists()
 
 
 def test_a_partial_write_of_another_tokenizer_is_started_over(tmp_path, monkeypatch, caplog):
@@ -188,7 +198,8 @@ def test_a_full_disk_keeps_what_was_written_and_the_same_command_continues(tmp_p
         pretokenize(compose_cfg(), disk / "docs.tokens", most_tokens=40_000)
         continued = re.search(r"continuing an earlier write from document (\d+)", caplog.text)
         assert continued and int(continued.group(1)) > 0, caplog.text
-        assert (disk / "docs.tokens" / TOKENS).read_bytes() == (tmp_path / "fresh.tokens" / TOKENS).read_bytes()
+        for name in (TOKENS, STARTS):
+            assert (disk / "docs.tokens" / name).read_bytes() == (tmp_path / "fresh.tokens" / name).read_bytes()
 
 
 def test_a_token_file_that_is_not_whole_or_of_another_tokenizer_is_one_line(tmp_path):
@@ -212,11 +223,93 @@ def test_a_token_file_that_is_not_whole_or_of_another_tokenizer_is_one_line(tmp_
         f.truncate(100)
     assert data_changes(before, data_fingerprint(cfg.data)) == [f"tokens.bin is {2 * n:,} bytes then and 100 now"]
     one_line_error(f"tokens.bin has 100 bytes where meta.json says {n:,} tokens of 2 bytes", TokenFile, str(out))
+    with open(out / TOKENS, "r+b") as f:
+        f.truncate(2 * n)
+    documents = json.loads((out / META).read_text())["source_documents"]
+    with open(out / STARTS, "r+b") as f:
+        f.truncate(16)
+    one_line_error(f"starts.bin has 16 bytes where meta.json says {documents:,} documents of 8 bytes", TokenFile,
+                   str(out))
     meta = json.loads((out / META).read_text())
     (out / META).write_text(json.dumps({**meta, "tokens": 0}))
     one_line_error("cannot read its meta.json (ValueError: 0 tokens)", TokenFile, str(out))
     (out / META).write_text("{")
     one_line_error("cannot read its meta.json", TokenFile, str(out))
+
+
+def test_a_run_started_on_its_source_continues_on_its_token_file_with_the_same_losses(tmp_path, caplog):
+    """The fix for a run that waits for its data, taken midway: tokenize the source once, then run the same command
+    with data=tokens data.path=<file> (as a requeue would, from the last checkpoint). It continues at the
+    checkpoint's token, inside a document and in a later epoch alike, with the losses of the run that stayed on the
+    source (bitwise on CPU), and its later checkpoints resume on the file. A file of the source's first documents
+    that the run is past is refused in one line, with the checkpoints untouched."""
+    caplog.set_level(logging.INFO, logger="membudget")
+
+    def steps(run):
+        return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(run)]
+
+    source = _corpus(tmp_path, documents=40)  # 524 tokens, 8 of them empty: an epoch every 8 steps of 66
+    pretokenize(compose_cfg(*source), tmp_path / "a.tokens")
+    args = (*TINY, "model.vocab_size=516", "train.steps=12", "checkpoint.every_steps=4", "checkpoint.keep=3")
+    on_source = train_here(tmp_path / "source", *args, *source)
+    file = [*source[2:], "data=tokens", f"data.path={tmp_path / 'a.tokens'}"]
+    for last in (4, 8):  # as if the run had stopped after the checkpoint of step `last`: epoch 0, then epoch 1
+        run = tmp_path / f"after{last}"
+        shutil.copytree(tmp_path / "source", run)
+        for step in range(last + 4, 13, 4):
+            shutil.rmtree(run / "checkpoints" / f"step_{step:07d}")
+        caplog.clear()
+        assert train_here(run, *args, *file)["final_loss"] == on_source["final_loss"]
+        assert steps(run) == steps(tmp_path / "source") and len(steps(run)) == 12
+        epoch, token = divmod(last * 2 * 33, 524)
+        assert re.search(rf"continuing on the token file .*a\.tokens from the checkpoint's place in its source "
+                         rf"\(epoch {epoch}, \d+ tokens into document \d+\): token {token} of epoch {epoch}",
+                         caplog.text), caplog.text
+        assert read_summary(run)["config"]["data"]["name"] == "tokens"
+    # the checkpoints written on the file resume on it as any run over a token file does
+    run = tmp_path / "after4"
+    shutil.rmtree(run / "checkpoints" / "step_0000012")
+    caplog.clear()
+    assert train_here(run, *args, *file)["final_loss"] == on_source["final_loss"]
+    assert steps(run) == steps(tmp_path / "source") and "continuing on the token file" not in caplog.text
+    # a file of the first documents, which the checkpoint of step 8 (epoch 1) is past
+    pretokenize(compose_cfg(*source), tmp_path / "first.tokens", most_tokens=300)
+    run = tmp_path / "past"
+    shutil.copytree(tmp_path / "after8", run)
+    shutil.rmtree(run / "checkpoints" / "step_0000012")
+    before = sorted(p.relative_to(run) for p in (run / "checkpoints").rglob("*"))
+    with pytest.raises(UserError) as info:
+        train_here(run, *args, *source[2:], "data=tokens", f"data.path={tmp_path / 'first.tokens'}")
+    message = str(info.value)
+    assert "\n" not in message and "--most-tokens 300), and the run is past them (epoch 1, document" in message, message
+    assert sorted(p.relative_to(run) for p in (run / "checkpoints").rglob("*")) == before
+
+
+def test_a_token_file_that_cannot_continue_a_run_over_a_source_says_why_in_one_line(tmp_path):
+    source = _corpus(tmp_path)
+    pretokenize(compose_cfg(*source), tmp_path / "a.tokens", most_tokens=100)
+    first = TokenFile(str(tmp_path / "a.tokens"))
+    assert first.position_of({"step": 3, "epoch": 0, "doc": 2, "offset": 1}) == {
+        "step": 3, "epoch": 0, "doc": 0, "offset": int(first.starts[2]) + 1}
+    one_line_error("and the run is past them (epoch 0, document 12,345)", first.position_of,
+                   {"step": 3, "epoch": 0, "doc": 12_345, "offset": 0})
+    one_line_error("and the run is past them (epoch 1, document 2)", first.position_of,
+                   {"step": 3, "epoch": 1, "doc": 2, "offset": 1})
+    one_line_error("the run is 999 tokens into document 2 of its source, where this file has", first.position_of,
+                   {"step": 3, "epoch": 0, "doc": 2, "offset": 999})
+    # a file of an older version, which kept no starts
+    meta = json.loads((tmp_path / "a.tokens" / META).read_text())
+    (tmp_path / "a.tokens" / META).write_text(json.dumps({**meta, "format": 1}))
+    (tmp_path / "a.tokens" / STARTS).unlink()
+    one_line_error("written by an older version, which kept no starts.bin", TokenFile(str(tmp_path / "a.tokens"))
+                   .position_of, {"step": 3, "epoch": 0, "doc": 2, "offset": 1})
+    # the checkpoint read another field of the same files
+    tokens = compose_cfg("data=tokens", f"data.path={tmp_path / 'a.tokens'}").data
+    saved = {k: (v.value if hasattr(v, "value") else v) for k, v in compose_cfg(*source).data.items()}
+    assert token_file_of_source(saved, tokens) is not None
+    assert token_file_of_source({**saved, "name": "tokens"}, tokens) is None  # a file to a file: a plain resume
+    one_line_error("made from another source than the checkpoint's (data.text_field='body' there, 'text' in its "
+                   "meta.json)", token_file_of_source, {**saved, "text_field": "body"}, tokens)
 
 
 @pytest.mark.slow
