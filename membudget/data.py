@@ -591,6 +591,14 @@ def open_token_file(cfg: DataConfig, tokenizer: Tokenizer) -> TokenFile:
     return file
 
 
+def source_words(cfg: DataConfig) -> str:
+    """What a run reads, in words: `data=jsonl data.path=...`, `data.hf_path=... (name)`, `data=tokens data.path=...`."""
+    name = DataName(cfg.name)  # a DataConfig built in code may hold the name as a string
+    if cfg.hf_path and name == DataName.hf:
+        return f"data.hf_path={cfg.hf_path}" + (f" ({cfg.hf_name})" if cfg.hf_name else "")
+    return f"data={name.value}" + (f" data.path={cfg.path}" if cfg.path else "")
+
+
 def token_file_of_source(saved: Optional[dict], cfg: DataConfig) -> Optional[TokenFile]:
     """This run's token file where a checkpoint read its source (`saved`: the checkpoint's config's data section):
     the run continues on the file from the checkpoint's place (TokenFile.position_of). One line when the file was
@@ -736,6 +744,21 @@ class TokenBatches:
         self._epoch_tokens += len(tokens)
         return tokens
 
+    def rereads(self, steps: int) -> Optional[str]:
+        """A line when the next `steps` batches read past the end of the token file (its documents again): how many
+        tokens they read, and how many it holds. None within the file, and for a source (whose length is known
+        only once read: `_new_epoch` says it then)."""
+        if self._token_file is None:
+            return None
+        length, read = len(self._token_file), steps * self.global_batch_size * (self.seq_len + 1)
+        end = self.epoch * length + self.offset + read
+        if end <= (self.epoch + 1) * length:
+            return None
+        return (f"data.path={self.cfg.path}: holds {length:,} tokens, and the {steps:,} steps to train.steps read "
+                f"{read:,} from its token {self.offset:,} of epoch {self.epoch}, to epoch {(end - 1) // length}: "
+                f"its documents are read again; write a token file of more of the source (a larger --most-tokens) "
+                f"to read each once")
+
     def close(self) -> None:
         """The tokenizing threads end (a run's end; the batches are not read after it)."""
         if self._pool is not None:
@@ -747,7 +770,7 @@ class Prefetcher:
     thread (tokenized, this rank's rows, pinned for a non-blocking copy to the GPU) while the current step runs.
 
     `state_dict()` is the position after the last batch handed out, not after those read ahead, so a checkpoint
-    resumes exactly there. An exception in the thread (a bad line further into the data) is raised by the
+    resumes exactly there; a batch handed out in a new epoch of the data says so (`_handed_out`). An exception in the thread (a bad line further into the data) is raised by the
     `next()` that would have returned that batch, and by every one after it. depth=0: no thread."""
 
     def __init__(self, batches: TokenBatches, depth: int, pin: bool = False):
@@ -781,7 +804,7 @@ class Prefetcher:
             raise self._error
         if self.depth == 0:
             inputs, labels = next(self.batches)
-            self._state = self.batches.state_dict()
+            self._handed_out(self.batches.state_dict())
             return inputs, labels
         if self._thread is None:
             self._thread = threading.Thread(target=self._fill, name="membudget-data", daemon=True)
@@ -791,8 +814,18 @@ class Prefetcher:
             self._error = item
             raise item
         self._free_slots.release()
-        inputs, labels, self._state = item
+        inputs, labels, state = item
+        self._handed_out(state)
         return inputs, labels
+
+    def _handed_out(self, state: dict) -> None:
+        """The position after a batch handed out; said when the batch starts another epoch: a run that reads its
+        documents more than once (a small corpus, a token file of the source's first documents) says by which step.
+        Said here, not where the batches are read ahead, which may be past the run's last step."""
+        if state["epoch"] > self._state["epoch"]:
+            log.warning("data: epoch %d of %s starts by step %d: the run reads its documents again", state["epoch"],
+                        source_words(self.batches.cfg), state["step"])
+        self._state = state
 
     def state_dict(self) -> dict:
         return dict(self._state)

@@ -34,7 +34,15 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from membudget.data import Documents, HubDocuments, TokenizedDocuments, data_fingerprint, read_ahead, tokenize_threads
+from membudget.data import (
+    Documents,
+    HubDocuments,
+    TokenizedDocuments,
+    data_fingerprint,
+    read_ahead,
+    source_words,
+    tokenize_threads,
+)
 from membudget.errors import UserError
 from membudget.launch import compose_config
 from membudget.rules import check_data
@@ -56,7 +64,7 @@ def pretokenize(cfg, out: Path, most_tokens: Optional[int] = None, threads: Opti
     tokenizer = build_tokenizer(cfg.tokenizer)
     threads = threads or tokenize_threads(cfg.data, cfg.tokenizer, local_ranks=1)
     meta = made_from(cfg, tokenizer)
-    log.info("pretokenize: %s through %s into %s (%d tokenizing thread%s)", _source_words(cfg.data),
+    log.info("pretokenize: %s through %s into %s (%d tokenizing thread%s)", source_words(cfg.data),
              tokenizer_words(meta["tokenizer"]), out, threads, "" if threads == 1 else "s")
     with tqdm(unit=" tokens", unit_scale=True, total=most_tokens, disable=None, mininterval=1.0) as bar, \
             ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
@@ -89,12 +97,6 @@ class SourceIds:
 
     def position(self, doc: int) -> Optional[dict]:
         return self._docs.position(doc) if isinstance(self._docs, HubDocuments) else None
-
-
-def _source_words(data) -> str:
-    if data.hf_path:
-        return f"data.hf_path={data.hf_path}" + (f" ({data.hf_name})" if data.hf_name else "")
-    return f"data={data.name.value}" + (f" data.path={data.path}" if data.path else "")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

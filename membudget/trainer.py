@@ -292,6 +292,8 @@ def setup(cfg, run_dir: Path, wandb_group: Optional[str], stack: contextlib.Exit
         _on_rank0(lambda: start_fresh(run_dir, cfg.checkpoint.resume, cfg.checkpoint.archive_old_run))
     else:
         batches.load_state_dict(state["extra"]["data"])
+    if rereads := batches.rereads(cfg.train.steps - (state["step"] if state else 0)):
+        log.warning(rereads)
     wandb_run = None
     if launch.is_main:
         write_plan(run_dir, chosen, inputs)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from membudget import token_file
-from membudget.data import TokenBatches, data_changes, data_fingerprint, token_file_of_source
+from membudget.data import Prefetcher, TokenBatches, data_changes, data_fingerprint, token_file_of_source
 from membudget.dirlock import DirLock
 from membudget.errors import UserError
 from membudget.pretokenize import SourceIds, main, made_from, pretokenize
@@ -266,6 +266,8 @@ def test_a_run_started_on_its_source_continues_on_its_token_file_with_the_same_l
                          rf"\(epoch {epoch}, \d+ tokens into document \d+\): token {token} of epoch {epoch}",
                          caplog.text), caplog.text
         assert read_summary(run)["config"]["data"]["name"] == "tokens"
+        # 8 steps of 66 tokens from token 264 read past the file's 524 (4 from token 4 of epoch 1 do not)
+        assert ("holds 524 tokens, and the 8 steps to train.steps read 528" in caplog.text) == (last == 4)
     # the checkpoints written on the file resume on it as any run over a token file does
     run = tmp_path / "after4"
     shutil.rmtree(run / "checkpoints" / "step_0000012")
@@ -283,6 +285,37 @@ def test_a_run_started_on_its_source_continues_on_its_token_file_with_the_same_l
     message = str(info.value)
     assert "\n" not in message and "--most-tokens 300), and the run is past them (epoch 1, document" in message, message
     assert sorted(p.relative_to(run) for p in (run / "checkpoints").rglob("*")) == before
+
+
+def test_a_run_that_reads_its_documents_again_says_so_by_its_step(tmp_path, caplog):
+    """The data's end, reached by a small corpus or a token file of the source's first documents: said once per
+    epoch, for the step that trains on it (not where batches are read ahead, past the run's last step); for a
+    token file also at the start, when the run's steps will read past it."""
+    source = _corpus(tmp_path, documents=40)  # 524 tokens: the batch of step 8 (66 tokens each) reads past them
+    pretokenize(compose_cfg(*source), tmp_path / "a.tokens")
+    tokenizer = Llama3Tokenizer(str(tmp_path / "tokenizer.model"))
+    for overrides in (source[:2], ["data=tokens", f"data.path={tmp_path / 'a.tokens'}"]):
+        data = compose_cfg(*overrides).data
+        caplog.clear()
+        batches = Prefetcher(TokenBatches(data, tokenizer, global_batch_size=2, seq_len=32, seed=0), depth=3)
+        for _ in range(7):
+            next(batches)  # and the three after them read ahead, into epoch 1
+        assert "data: epoch" not in caplog.text
+        for _ in range(9):  # to step 16: into epoch 2
+            next(batches)
+        batches.close()
+        said = re.findall(r"data: epoch (\d) of (.+) starts by step (\d+): the run reads its documents again",
+                          caplog.text)
+        assert said == [("1", " ".join(overrides), "8"), ("2", " ".join(overrides), "16")], caplog.text
+    file = TokenBatches(data, tokenizer, global_batch_size=2, seq_len=32, seed=0)
+    assert file.rereads(7) is None  # 462 tokens of 524
+    assert file.rereads(8) == (f"data.path={tmp_path / 'a.tokens'}: holds 524 tokens, and the 8 steps to "
+                               f"train.steps read 528 from its token 0 of epoch 0, to epoch 1: its documents are read "
+                               f"again; write a token file of more of the source (a larger --most-tokens) to read "
+                               f"each once")
+    file.load_state_dict({"step": 3, "epoch": 2, "doc": 0, "offset": 100})
+    assert file.rereads(6) is None and "from its token 100 of epoch 2, to epoch 3" in file.rereads(7)
+    assert TokenBatches(compose_cfg(*source[:2]).data, tokenizer, 2, 32, 0).rereads(100) is None  # length unknown
 
 
 def test_a_token_file_that_cannot_continue_a_run_over_a_source_says_why_in_one_line(tmp_path):
