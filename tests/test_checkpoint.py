@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -306,30 +307,37 @@ def test_fsdp_checkpoint_is_sharded_and_resumes_bitwise_under_torchrun(tmp_path)
 @pytest.mark.slow
 @pytest.mark.dist
 def test_a_run_resumes_on_another_world_size_with_the_losses_of_one_uninterrupted_run(tmp_path, caplog):
-    """FSDP over two ranks for 3 steps, then the same run dir resumed as one process (a requeue onto a smaller
-    allocation, or a layout changed after an OOM): DCP reshards the model and the optimizer states, the data
-    stream goes on where the global batch left it, and the loss curve is that of one process that never
-    stopped. The interrupted run reads CPython's docs from a token file (data=tokens: each rank its own rows),
-    the uninterrupted one the docs themselves."""
+    """FSDP over two ranks for 3 steps on CPython's docs; the same run dir continued by the two ranks on the docs'
+    token file (data=tokens: each rank its own rows, from the checkpoint's token) for 3 more; then resumed as one
+    process (a requeue onto a smaller allocation, or a layout changed after an OOM) for 3 more: DCP reshards the
+    model and the optimizer states, the data stream goes on where the global batch left it, and the loss curve is
+    that of one process that read the docs and never stopped."""
     from membudget.pretokenize import pretokenize
 
     common = ["logger=none", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
               "data.prefetch=0", "model.n_layers=2", "train.progress=lines"]
-    pretokenize(compose_cfg(), tmp_path / "docs.tokens", most_tokens=6 * 4 * 33)
+    pretokenize(compose_cfg(), tmp_path / "docs.tokens", most_tokens=9 * 4 * 33)
     tokens = ["data=tokens", f"data.path={tmp_path / 'docs.tokens'}"]
     run = tmp_path / "run"
-    proc = train_py_ranks(2, tmp_path, f"hydra.run.dir={run}", "parallelism=fsdp", *common, *tokens,
-                          "train.steps=3", "checkpoint.every_steps=3")
+    proc = train_py_ranks(2, tmp_path, f"hydra.run.dir={run}", "parallelism=fsdp", *common, "train.steps=3",
+                          "checkpoint.every_steps=3")
     assert proc.returncode == 0, proc.why()
-    saved = run / "checkpoints" / "step_0000003"
+    proc = train_py_ranks(2, tmp_path, f"hydra.run.dir={run}", "parallelism=fsdp", *common, *tokens,
+                          "train.steps=6", "checkpoint.every_steps=3")
+    assert proc.returncode == 0, proc.why()
+    for log in ("train.log", "train_rank1.log"):  # each rank continues at the same token: 3 x 4 x 33
+        text = (run / log).read_text()
+        assert re.search(r"continuing on the token file .*docs\.tokens from the checkpoint's place in its source "
+                         r"\(epoch 0, \d+ tokens into document \d+\): token 396 of epoch 0", text), (log, text)
+    saved = run / "checkpoints" / "step_0000006"
     assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # sharded by two
     with caplog.at_level(logging.INFO, logger="membudget"):
-        resumed = train_here(run, *common, *tokens, "train.steps=6")
-    assert f"resumed from {saved} at step 3" in caplog.text
+        resumed = train_here(run, *common, *tokens, "train.steps=9")
+    assert f"resumed from {saved} at step 6" in caplog.text
     assert "parallelism.name: 'fsdp' -> 'single'" in caplog.text  # a change that leaves the math alone
-    reference = train_here(tmp_path / "one", *common, "train.steps=6")
+    reference = train_here(tmp_path / "one", *common, "train.steps=9")
     assert resumed["world_size"] == 1 and resumed["status"] == "completed"
     rows, expected = read_metrics(run), read_metrics(tmp_path / "one")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows] == list(range(1, 10))
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in expected], rel=1e-4)
     assert resumed["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-4)
