@@ -60,6 +60,7 @@ def test_a_token_file_gives_its_sources_batches_on_each_rank_over_epochs_and_res
     steps = 2 * meta["tokens"] // (4 * 32) + 3  # two epochs and a bit
     for step in range(steps):
         states.append(json.loads(json.dumps(one.state_dict())))
+        assert file.position_of(whole.state_dict()) == states[-1], step  # where a run over the source goes on
         want.append(next(whole))
         assert torch.equal(next(one)[0], want[-1][0]) and torch.equal(want[-1][1][:, :-1], want[-1][0][:, 1:]), step
         rows = [next(rank) for rank in ranks]
@@ -154,6 +155,13 @@ def test_a_stopped_pretokenize_continues_where_it_stopped_and_writes_the_same_fi
     progress.write_text(json.dumps({"made": json.loads(progress.read_text())["made"], "at": first}))
     assert (partial_dir(out) / TOKENS).stat().st_size > first["tokens"] * 2
     assert pretokenize(cfg, out, threads=2) == whole
+    # a run over the source, at any step, goes on at the same token of the file (the streamed dataset's documents
+    # counted as the file counts them)
+    over_source = TokenBatches(cfg.data, tokenizer, global_batch_size=4, seq_len=63, seed=0)
+    over_file = TokenBatches(compose_cfg("data=tokens", f"data.path={out}").data, tokenizer, 4, 63, 0)
+    for step in range(whole["tokens"] // (4 * 64) + 2):  # into the second epoch
+        assert TokenFile(str(out)).position_of(over_source.state_dict()) == over_file.state_dict(), step
+        assert torch.equal(next(over_source)[0], next(over_file)[0]), step
     for name in (TOKENS, STARTS):
         assert (out / name).read_bytes() == (tmp_path / "whole.tokens" / name).read_bytes(), name
     assert sorted(p.name for p in out.iterdir()) == [META, STARTS, TOKENS] and not partial_dir(out).exists()
