@@ -214,8 +214,8 @@ class TokenFile:
         if not path:
             raise UserError(f"data.path={path!r}: data=tokens reads a token file; point data.path at one, or write one "
                             f"with {COMMAND}")
-        self.path = Path(os.path.expanduser(path))
-        where = f"data.path={path!r}"
+        self.path, self.where = Path(os.path.expanduser(path)), f"data.path={path!r}"
+        where = self.where
         if not (self.path / META).is_file():
             what = ("is not a token file (no meta.json: its writing was cut short, or it is a corpus to tokenize)"
                     if self.path.is_dir() else "does not exist" if not self.path.exists() else "is not a token file")
@@ -231,20 +231,18 @@ class TokenFile:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"{where}: cannot read its meta.json ({type(e).__name__}: {e}); write it again with "
                             f"{COMMAND}") from None
-        size = (self.path / TOKENS).stat().st_size if (self.path / TOKENS).is_file() else None
+        self.tokens = self._mapped(TOKENS, dtype, count, "tokens")
+        self.starts = None if documents is None else self._mapped(STARTS, START, documents, "documents")  # format 1
+
+    def _mapped(self, name: str, dtype: np.dtype, count: int, what: str) -> np.memmap:
+        """The file `name` of `count` values of `dtype` (`what` they count), memory-mapped, where its size says it
+        is whole; else one line."""
+        size = (self.path / name).stat().st_size if (self.path / name).is_file() else None
         if size != count * dtype.itemsize:
-            raise UserError(f"{where}: {TOKENS} has {size} bytes where meta.json says {count:,} tokens of "
-                            f"{dtype.itemsize} bytes (a copy cut short?); copy it again, or write it again "
-                            f"with {COMMAND}")
-        self.tokens = np.memmap(self.path / TOKENS, dtype=dtype, mode="r", shape=(count,))
-        self.starts = None  # format 1 has none
-        if documents is not None:
-            size = (self.path / STARTS).stat().st_size if (self.path / STARTS).is_file() else None
-            if size != documents * START.itemsize:
-                raise UserError(f"{where}: {STARTS} has {size} bytes where meta.json says {documents:,} documents of "
-                                f"{START.itemsize} bytes (a copy cut short?); copy it again, or write it again with "
-                                f"{COMMAND}")
-            self.starts = np.memmap(self.path / STARTS, dtype=START, mode="r", shape=(documents,))
+            raise UserError(f"{self.where}: {name} has {size} bytes where meta.json says {count:,} {what} of "
+                            f"{dtype.itemsize} bytes (a copy cut short?); copy it again, or write it again with "
+                            f"{COMMAND}")
+        return np.memmap(self.path / name, dtype=dtype, mode="r", shape=(count,))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -264,9 +262,8 @@ class TokenFile:
         `doc` of epoch `epoch`) continues in the file: its next token, as a state of a run over the file. A file of
         the whole source continues any position; one of its first documents (--most-tokens) a position before its
         end, in the first epoch."""
-        where = f"data.path={str(self.path)!r}"
         if self.starts is None:
-            raise UserError(f"{where}: written by an older version, which kept no {STARTS} (where each document "
+            raise UserError(f"{self.where}: written by an older version, which kept no {STARTS} (where each document "
                             f"starts), so a run over its source cannot continue on it; write it again with {COMMAND}")
         epoch, doc, offset = source["epoch"], source["doc"], source["offset"]
         length, n = len(self.tokens), len(self.starts)
@@ -274,12 +271,12 @@ class TokenFile:
         ends = int(self.starts[doc + 1]) if doc + 1 < n else length
         whole = self.meta.get("most_tokens") is None
         if (whole and doc >= n) or (doc < n and offset > ends - begins):
-            raise UserError(f"{where}: the run is {offset:,} tokens into document {doc:,} of its source, where this "
+            raise UserError(f"{self.where}: the run is {offset:,} tokens into document {doc:,} of its source, where this "
                             f"file has {n:,} documents and that one {max(ends - begins, 0):,} tokens long: not the "
                             f"source it was made from; continue on the source, or write the token file again with "
                             f"{COMMAND}")
         if not whole and (epoch > 0 or begins + offset >= length):
-            raise UserError(f"{where}: holds the source's first {n:,} documents (--most-tokens "
+            raise UserError(f"{self.where}: holds the source's first {n:,} documents (--most-tokens "
                             f"{self.meta['most_tokens']:,}), and the run is past them (epoch {epoch}, document "
                             f"{doc:,}); write a token file of more of the source (a larger --most-tokens, or none for "
                             f"the whole) to continue on it, or continue on the source")
