@@ -271,10 +271,10 @@ class TokenFile:
         ends = int(self.starts[doc + 1]) if doc + 1 < n else length
         whole = self.meta.get("most_tokens") is None
         if (whole and doc >= n) or (doc < n and offset > ends - begins):
-            raise UserError(f"{self.where}: the run is {offset:,} tokens into document {doc:,} of its source, where this "
-                            f"file has {n:,} documents and that one {max(ends - begins, 0):,} tokens long: not the "
-                            f"source it was made from; continue on the source, or write the token file again with "
-                            f"{COMMAND}")
+            raise UserError(f"{self.where}: the run is {offset:,} tokens into document {doc:,} of its source, where "
+                            f"this file has {n:,} documents and that one {max(ends - begins, 0):,} tokens long: not "
+                            f"the source it was made from; continue on the source, or write the token file again "
+                            f"with {COMMAND}")
         if not whole and (epoch > 0 or begins + offset >= length):
             raise UserError(f"{self.where}: holds the source's first {n:,} documents (--most-tokens "
                             f"{self.meta['most_tokens']:,}), and the run is past them (epoch {epoch}, document "
