@@ -592,7 +592,7 @@ def open_token_file(cfg: DataConfig, tokenizer: Tokenizer) -> TokenFile:
 
 
 def source_words(cfg: DataConfig) -> str:
-    """What a run reads, in words: `data=jsonl data.path=...`, `data.hf_path=... (name)`, `data=tokens data.path=...`."""
+    """What a run reads, in words: `data=jsonl data.path=...`, `data.hf_path=... (name)`, `data=pydoc`."""
     name = DataName(cfg.name)  # a DataConfig built in code may hold the name as a string
     if cfg.hf_path and name == DataName.hf:
         return f"data.hf_path={cfg.hf_path}" + (f" ({cfg.hf_name})" if cfg.hf_name else "")
