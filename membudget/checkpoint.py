@@ -447,13 +447,13 @@ _APPLIED = ("optimizer.", "lr_schedule.", "train.steps", "train.max_grad_norm", 
             "train.max_skipped_steps")
 
 
-def config_changes(saved: Optional[dict], now: dict, token_file_of_source: bool = False
+def config_changes(saved: Optional[dict], now: dict, same_stream: bool = False
                    ) -> tuple[list[str], list[str], list[str]]:
     """What differs between the checkpoint's config and this run's, as (refused, applied, allowed) lists of
     `key: old -> new`. Refused: the model and the data stream; applied: optimizer, schedule, steps; allowed:
     how the math is run (AC, compile, parallelism layout), logging, checkpointing, planning.
-    `token_file_of_source`: this run reads the token file of the checkpoint's source (data.token_file_of_source),
-    so the data settings change but not the stream: allowed."""
+    `same_stream`: this run reads a token file of what the checkpoint read (data.switch_to_token_file), so the
+    data settings change but not the stream: allowed."""
     if saved is None:
         return [], [], []
     old, new = flat_keys(saved), flat_keys(now)
@@ -462,7 +462,7 @@ def config_changes(saved: Optional[dict], now: dict, token_file_of_source: bool 
         if old.get(key) == new.get(key):
             continue
         change = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
-        if key.startswith(_FIXED) and not (token_file_of_source and key.startswith("data.")):
+        if key.startswith(_FIXED) and not (same_stream and key.startswith("data.")):
             refused.append(change)
         elif key.startswith(_APPLIED):
             applied.append(change)

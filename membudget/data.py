@@ -23,6 +23,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from itertools import chain
 from typing import Optional
 
@@ -599,28 +600,52 @@ def source_words(cfg: DataConfig) -> str:
     return f"data={name.value}" + (f" data.path={cfg.path}" if cfg.path else "")
 
 
-def token_file_of_source(saved: Optional[dict], cfg: DataConfig) -> Optional[TokenFile]:
-    """This run's token file where a checkpoint read its source (`saved`: the checkpoint's config's data section):
-    the run continues on the file from the checkpoint's place (TokenFile.position_of). One line when the file was
-    made from another source (the settings that say what is read; the files are compared by their fingerprints,
-    `source_fingerprint`). None when this run reads no token file, or the checkpoint did."""
-    if cfg.name != DataName.tokens or not saved or saved.get("name") in (DataName.tokens.value,
-                                                                         DataName.synthetic.value):
+@dataclass
+class TokenFileSwitch:
+    """How a run goes on on this run's token file (`file`) from a checkpoint that read its source, or another token
+    file of the same source (`earlier`: a file of its first documents, say): the same batches from the checkpoint's
+    token on. `compared`: what the checkpoint's data fingerprint must equal (the source's, or the earlier file's)."""
+
+    file: TokenFile
+    compared: dict
+    earlier: Optional[TokenFile] = None
+
+    def position(self, state: dict) -> dict:
+        """The checkpoint's data position (TokenBatches' state) as a position in `file`."""
+        return self.file.position_of(state, self.earlier)
+
+
+def switch_to_token_file(saved: Optional[dict], cfg: DataConfig, fingerprint: dict) -> Optional[TokenFileSwitch]:
+    """A TokenFileSwitch where this run reads a token file and a checkpoint (`saved`: its config's data section)
+    read the file's source, or another token file of that source; `fingerprint`: this run's data fingerprint. One
+    line when the file was made from another source (the settings that say what is read; the files are compared
+    through `compared`). None when this run reads no token file, or the checkpoint read the same one."""
+    if cfg.name != DataName.tokens or not saved or saved.get("name") == DataName.synthetic.value:
         return None
+    if saved.get("name") == DataName.tokens.value:
+        if saved.get("path") == cfg.path:
+            return None
+        try:
+            earlier = TokenFile(saved.get("path"))
+        except UserError as e:
+            raise UserError(f"data.path={cfg.path!r}: the checkpoint read the token file {saved.get('path')}, which "
+                            f"says where the run stands in their source, and it cannot be read now ({e})") from None
+        made, where = earlier.meta, f"the token file {saved.get('path')}"
+    else:
+        earlier, made, where = None, {"source": saved}, "the checkpoint's"
     file = TokenFile(cfg.path)
-    made = file.meta.get("source") or {}
-    differ = [f"data.{key}={saved.get(key)!r} there, {value!r} in its meta.json" for key, value in sorted(made.items())
-              if key != "path" and saved.get(key) != value]  # the path may differ: the files' fingerprints decide
+    source, ours = made.get("source") or {}, file.meta.get("source") or {}
+    differ = [f"data.{key}={source.get(key)!r} there, {value!r} in its meta.json" for key, value in sorted(ours.items())
+              if key != "path" and source.get(key) != value]  # the path may differ: the files' fingerprints decide
+    if earlier is not None and earlier.meta.get("source_fingerprint") != file.meta.get("source_fingerprint"):
+        differ.append("other documents")
     if differ:
-        raise UserError(f"data.path={cfg.path!r}: made from another source than the checkpoint's ({'; '.join(differ)})"
-                        f"; continue on the checkpoint's source, or tokenize it: {PRETOKENIZE}")
-    return file
-
-
-def source_fingerprint(file: TokenFile, fingerprint: dict) -> dict:
-    """The fingerprint of the source that `file` was made from, with the tokenizer file of `fingerprint` (this
-    run's): what a checkpoint of a run over that source is compared with."""
-    return {**file.meta["source_fingerprint"], **{k: v for k, v in fingerprint.items() if k == "tokenizer"}}
+        raise UserError(f"data.path={cfg.path!r}: made from another source than {where} ({'; '.join(differ)}); "
+                        f"continue on that, or tokenize its source: {PRETOKENIZE}")
+    tokenizer = {k: v for k, v in fingerprint.items() if k == "tokenizer"}  # this run's, as the checkpoint's was
+    read = (file.meta["source_fingerprint"] if earlier is None
+            else _documents(DataConfig(name=DataName.tokens, path=saved.get("path"))))
+    return TokenFileSwitch(file, {**read, **tokenizer}, earlier)
 
 
 class TokenBatches:
@@ -756,8 +781,8 @@ class TokenBatches:
             return None
         return (f"data.path={self.cfg.path}: holds {length:,} tokens, and the {steps:,} steps to train.steps read "
                 f"{read:,} from its token {self.offset:,} of epoch {self.epoch}, to epoch {(end - 1) // length}: "
-                f"its documents are read again; write a token file of more of the source (a larger --most-tokens) "
-                f"to read each once")
+                f"its documents are read again; to read each once, write a token file of more of the source (a larger "
+                f"--most-tokens) and rerun with it before then: the run goes on on it from its checkpoint's token")
 
     def close(self) -> None:
         """The tokenizing threads end (a run's end; the batches are not read after it)."""

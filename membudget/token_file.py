@@ -257,28 +257,42 @@ class TokenFile:
             done, at = done + len(chunk), 0
         return out
 
-    def position_of(self, source: dict) -> dict:
-        """Where a run over this file's source at `source` (data.TokenBatches' state: `offset` tokens into document
-        `doc` of epoch `epoch`) continues in the file: its next token, as a state of a run over the file. A file of
-        the whole source continues any position; one of its first documents (--most-tokens) a position before its
-        end, in the first epoch."""
-        if self.starts is None:
-            raise UserError(f"{self.where}: written by an older version, which kept no {STARTS} (where each document "
-                            f"starts), so a run over its source cannot continue on it; write it again with {COMMAND}")
-        epoch, doc, offset = source["epoch"], source["doc"], source["offset"]
-        length, n = len(self.tokens), len(self.starts)
-        begins = int(self.starts[doc]) if doc < n else length
-        ends = int(self.starts[doc + 1]) if doc + 1 < n else length
-        whole = self.meta.get("most_tokens") is None
-        if (whole and doc >= n) or (doc < n and offset > ends - begins):
-            raise UserError(f"{self.where}: the run is {offset:,} tokens into document {doc:,} of its source, where "
-                            f"this file has {n:,} documents and that one {max(ends - begins, 0):,} tokens long: not "
-                            f"the source it was made from; continue on the source, or write the token file again "
-                            f"with {COMMAND}")
-        if not whole and (epoch > 0 or begins + offset >= length):
-            raise UserError(f"{self.where}: holds the source's first {n:,} documents (--most-tokens "
-                            f"{self.meta['most_tokens']:,}), and the run is past them (epoch {epoch}, document "
-                            f"{doc:,}); write a token file of more of the source (a larger --most-tokens, or none for "
-                            f"the whole) to continue on it, or continue on the source")
-        epoch, offset = divmod(epoch * length + begins + offset, length)
-        return {"step": source["step"], "epoch": epoch, "doc": 0, "offset": offset}
+    def position_of(self, state: dict, earlier: Optional["TokenFile"] = None) -> dict:
+        """Where a run over this file's source at `state` (data.TokenBatches' state: `offset` tokens into document
+        `doc` of epoch `epoch`) continues in the file: its next token, as a state of a run over the file; or, with
+        `earlier`, a run over another token file of the same source at `state`. A file of the whole source continues
+        any position; one of its first documents (--most-tokens) a position before its end, in the first epoch, as
+        does a run over one (whose later epochs read those documents again, which the source does not)."""
+        length, whole = len(self.tokens), self.meta.get("most_tokens") is None
+        if earlier is not None:
+            epoch, offset = state["epoch"], state["offset"]
+            if epoch > 0 and not (whole and earlier.meta.get("most_tokens") is None):
+                raise UserError(f"{self.where}: the run has read the documents of {earlier.path} again (epoch "
+                                f"{epoch}), which a run over their source does not, so no place in another file of "
+                                f"that source is where it stands; continue on {earlier.where}, or start a run on "
+                                f"this one")
+            if whole and earlier.meta.get("most_tokens") is None and len(earlier) != length:
+                raise UserError(f"{self.where}: holds {length:,} tokens of the whole source, and {earlier.where} "
+                                f"{len(earlier):,}: not of the same source; continue on {earlier.where}")
+            position = offset
+        else:
+            if self.starts is None:
+                raise UserError(f"{self.where}: written by an older version, which kept no {STARTS} (where each "
+                                f"document starts), so a run over its source cannot continue on it; write it again "
+                                f"with {COMMAND}")
+            epoch, doc, offset, n = state["epoch"], state["doc"], state["offset"], len(self.starts)
+            begins = int(self.starts[doc]) if doc < n else length
+            ends = int(self.starts[doc + 1]) if doc + 1 < n else length
+            if (whole and doc >= n) or (doc < n and offset > ends - begins):
+                raise UserError(f"{self.where}: the run is {offset:,} tokens into document {doc:,} of its source, "
+                                f"where this file has {n:,} documents and that one {max(ends - begins, 0):,} tokens "
+                                f"long: not the source it was made from; continue on the source, or write the token "
+                                f"file again with {COMMAND}")
+            position = begins + offset
+        if not whole and (epoch > 0 or position >= length):
+            raise UserError(f"{self.where}: holds the source's first {length:,} tokens (--most-tokens "
+                            f"{self.meta['most_tokens']:,}), and the run is past them (epoch {epoch}, token "
+                            f"{position:,}); write a token file of more of the source (a larger --most-tokens, or "
+                            f"none for the whole) to continue on it, or continue on what the run read")
+        epoch, offset = divmod(epoch * length + position, length)
+        return {"step": state["step"], "epoch": epoch, "doc": 0, "offset": offset}

@@ -37,8 +37,7 @@ from membudget.data import (
     TokenBatches,
     data_changes,
     data_fingerprint,
-    source_fingerprint,
-    token_file_of_source,
+    switch_to_token_file,
     tokenize_threads,
     unpinned_hub_data,
 )
@@ -173,33 +172,34 @@ def _resume(cfg, checkpointer: Checkpointer, model, optimizer, scheduler, data: 
     """Restore the checkpoint to continue from, if any, after checking that this run's config and data (its
     fingerprint, `data`) may continue it: what changes the model or the data stream is refused; the optimizer's
     and the schedule's settings are applied (and logged); the rest (AC, compile, layout, logging) is allowed. A run
-    over a source may continue on its token file (data=tokens), from the same token."""
+    over a source may continue on its token file (data=tokens), from the same token, and one over such a file on
+    another of the same source (a larger --most-tokens)."""
     if cfg.checkpoint.resume == "never":
         return None
     now = resolved(cfg)
-    on_token_file = {}  # step -> the checkpoint's data position in this run's token file, where it read the source
+    on_token_file = {}  # step -> the checkpoint's data position in this run's token file, where it read another
 
     def accept(state: dict) -> None:
-        file = token_file_of_source((state.get("config") or {}).get("data"), cfg.data)
-        refused, applied, allowed = config_changes(state.get("config"), now, token_file_of_source=file is not None)
+        switch = switch_to_token_file((state.get("config") or {}).get("data"), cfg.data, data)
+        refused, applied, allowed = config_changes(state.get("config"), now, same_stream=switch is not None)
         if refused:
             raise UserError(f"checkpoint.resume={cfg.checkpoint.resume!r}: the checkpoint at step {state['step']} was "
                             f"trained with other settings that change the model or the data ({'; '.join(refused)}); "
                             "set them back, or start fresh with checkpoint.resume=never "
                             "checkpoint.archive_old_run=true")
         # a checkpoint from before fingerprints has none: nothing to compare
-        reads = data if file is None else source_fingerprint(file, data)
+        reads = data if switch is None else switch.compared
         changed = data_changes(state["extra"].get("data_fingerprint", reads), reads)
-        what = ("the data changed since" if file is None
-                else f"the token file {cfg.data.path} was made from other data than")
+        what = ("the data changed since" if switch is None
+                else f"the token file {cfg.data.path} stands for other data than")
         if changed and not cfg.checkpoint.allow_data_change:
             raise UserError(f"checkpoint.resume={cfg.checkpoint.resume!r}: {what} the checkpoint at step "
                             f"{state['step']} ({'; '.join(changed)}), so its position points into other text; "
                             "restore the data, or set checkpoint.allow_data_change=true to continue anyway")
         if changed:
             log.warning("resuming over changed data (checkpoint.allow_data_change=true): %s", "; ".join(changed))
-        if file is not None:
-            on_token_file[state["step"]] = file.position_of(state["extra"]["data"])
+        if switch is not None:
+            on_token_file[state["step"]] = switch.position(state["extra"]["data"])
         if state["step"] > cfg.train.steps:  # refused before any change is announced as taking effect
             raise UserError(f"train.steps={cfg.train.steps}: the checkpoint to resume is at step {state['step']}; "
                             f"set train.steps={state['step']} or more to continue it")
@@ -215,10 +215,10 @@ def _resume(cfg, checkpointer: Checkpointer, model, optimizer, scheduler, data: 
     _apply_optimizer_settings(cfg, optimizer, scheduler)
     state = restored[1]
     if state["step"] in on_token_file:
-        source, state["extra"]["data"] = state["extra"]["data"], on_token_file[state["step"]]
-        log.info("continuing on the token file %s from the checkpoint's place in its source (epoch %d, %s tokens into "
-                 "document %s): token %s of epoch %d", cfg.data.path, source["epoch"], f"{source['offset']:,}",
-                 f"{source['doc']:,}", f"{state['extra']['data']['offset']:,}", state["extra"]["data"]["epoch"])
+        was, state["extra"]["data"] = state["extra"]["data"], on_token_file[state["step"]]
+        log.info("continuing on the token file %s from the checkpoint's place in what it read (epoch %d, %s tokens "
+                 "into document %s): token %s of epoch %d", cfg.data.path, was["epoch"], f"{was['offset']:,}",
+                 f"{was['doc']:,}", f"{state['extra']['data']['offset']:,}", state["extra"]["data"]["epoch"])
     return state
 
 

@@ -327,7 +327,7 @@ def test_a_run_resumes_on_another_world_size_with_the_losses_of_one_uninterrupte
     assert proc.returncode == 0, proc.why()
     for log in ("train.log", "train_rank1.log"):  # each rank continues at the same token: 3 x 4 x 33
         text = (run / log).read_text()
-        assert re.search(r"continuing on the token file .*docs\.tokens from the checkpoint's place in its source "
+        assert re.search(r"continuing on the token file .*docs\.tokens from the checkpoint's place in what it read "
                          r"\(epoch 0, \d+ tokens into document \d+\): token 396 of epoch 0", text), (log, text)
     saved = run / "checkpoints" / "step_0000006"
     assert sorted(p.name for p in saved.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # sharded by two

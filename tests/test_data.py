@@ -136,6 +136,7 @@ def test_pydoc_and_synthetic_never_import_datasets(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
     spec = importlib.util.spec_from_file_location("membudget_data_copy", membudget.data.__file__)
     data = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, data)  # as an import would: its dataclasses look themselves up there
     spec.loader.exec_module(data)
     for name in ("pydoc", "synthetic"):
         batches = data.TokenBatches(DataConfig(name=name), ByteTokenizer(), 2, 16, seed=0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from membudget import token_file
-from membudget.data import Prefetcher, TokenBatches, data_changes, data_fingerprint, token_file_of_source
+from membudget.data import Prefetcher, TokenBatches, data_changes, data_fingerprint, switch_to_token_file
 from membudget.dirlock import DirLock
 from membudget.errors import UserError
 from membudget.pretokenize import SourceIds, main, made_from, pretokenize
@@ -270,7 +270,7 @@ def test_a_run_started_on_its_source_continues_on_its_token_file_with_the_same_l
         assert train_here(run, *args, *file)["final_loss"] == on_source["final_loss"]
         assert steps(run) == steps(tmp_path / "source") and len(steps(run)) == 12
         epoch, token = divmod(last * 2 * 33, 524)
-        assert re.search(rf"continuing on the token file .*a\.tokens from the checkpoint's place in its source "
+        assert re.search(rf"continuing on the token file .*a\.tokens from the checkpoint's place in what it read "
                          rf"\(epoch {epoch}, \d+ tokens into document \d+\): token {token} of epoch {epoch}",
                          caplog.text), caplog.text
         assert read_summary(run)["config"]["data"]["name"] == "tokens"
@@ -282,17 +282,33 @@ def test_a_run_started_on_its_source_continues_on_its_token_file_with_the_same_l
     caplog.clear()
     assert train_here(run, *args, *file)["final_loss"] == on_source["final_loss"]
     assert steps(run) == steps(tmp_path / "source") and "continuing on the token file" not in caplog.text
-    # a file of the first documents, which the checkpoint of step 8 (epoch 1) is past
+    # a file of the first documents (300 tokens): the checkpoint of step 8 over the source (epoch 1) is past them
     pretokenize(compose_cfg(*source), tmp_path / "first.tokens", most_tokens=300)
+    first = [*source[2:], "data=tokens", f"data.path={tmp_path / 'first.tokens'}"]
+
+    def refused(run, *overrides):
+        before = sorted(p.relative_to(run) for p in (run / "checkpoints").rglob("*"))
+        with pytest.raises(UserError) as info:
+            train_here(run, *args, *overrides)
+        assert sorted(p.relative_to(run) for p in (run / "checkpoints").rglob("*")) == before
+        assert "\n" not in str(info.value)
+        return str(info.value)
+
     run = tmp_path / "past"
     shutil.copytree(tmp_path / "after8", run)
     shutil.rmtree(run / "checkpoints" / "step_0000012")
-    before = sorted(p.relative_to(run) for p in (run / "checkpoints").rglob("*"))
-    with pytest.raises(UserError) as info:
-        train_here(run, *args, *source[2:], "data=tokens", f"data.path={tmp_path / 'first.tokens'}")
-    message = str(info.value)
-    assert "\n" not in message and "--most-tokens 300), and the run is past them (epoch 1, document" in message, message
-    assert sorted(p.relative_to(run) for p in (run / "checkpoints").rglob("*")) == before
+    assert "--most-tokens 300), and the run is past them (epoch 1, token 4)" in refused(run, *first)
+    # a run over that file goes on on the whole source's file from a checkpoint of its first pass (step 4), with
+    # the source's losses; not from one after it read its documents again (step 8: what it read differs there)
+    train_here(tmp_path / "first", *args, *first)
+    assert steps(tmp_path / "first")[:4] == steps(tmp_path / "source")[:4]
+    run = tmp_path / "grown"
+    shutil.copytree(tmp_path / "first", run)
+    shutil.rmtree(run / "checkpoints" / "step_0000012")
+    assert f"the run has read the documents of {tmp_path / 'first.tokens'} again (epoch 1)" in refused(run, *file)
+    shutil.rmtree(run / "checkpoints" / "step_0000008")
+    assert train_here(run, *args, *file)["final_loss"] == on_source["final_loss"]
+    assert steps(run) == steps(tmp_path / "source")
 
 
 def test_a_run_that_reads_its_documents_again_says_so_by_its_step(tmp_path, caplog):
@@ -319,8 +335,9 @@ def test_a_run_that_reads_its_documents_again_says_so_by_its_step(tmp_path, capl
     assert file.rereads(7) is None  # 462 tokens of 524
     assert file.rereads(8) == (f"data.path={tmp_path / 'a.tokens'}: holds 524 tokens, and the 8 steps to "
                                f"train.steps read 528 from its token 0 of epoch 0, to epoch 1: its documents are read "
-                               f"again; write a token file of more of the source (a larger --most-tokens) to read "
-                               f"each once")
+                               f"again; to read each once, write a token file of more of the source (a larger "
+                               f"--most-tokens) and rerun with it before then: the run goes on on it from its "
+                               f"checkpoint's token")
     file.load_state_dict({"step": 3, "epoch": 2, "doc": 0, "offset": 100})
     assert file.rereads(6) is None and "from its token 100 of epoch 2, to epoch 3" in file.rereads(7)
     assert TokenBatches(compose_cfg(*source[:2]).data, tokenizer, 2, 32, 0).rereads(100) is None  # length unknown
@@ -332,25 +349,44 @@ def test_a_token_file_that_cannot_continue_a_run_over_a_source_says_why_in_one_l
     first = TokenFile(str(tmp_path / "a.tokens"))
     assert first.position_of({"step": 3, "epoch": 0, "doc": 2, "offset": 1}) == {
         "step": 3, "epoch": 0, "doc": 0, "offset": int(first.starts[2]) + 1}
-    one_line_error("and the run is past them (epoch 0, document 12,345)", first.position_of,
+    one_line_error(f"and the run is past them (epoch 0, token {len(first):,})", first.position_of,
                    {"step": 3, "epoch": 0, "doc": 12_345, "offset": 0})
-    one_line_error("and the run is past them (epoch 1, document 2)", first.position_of,
+    one_line_error("and the run is past them (epoch 1, token", first.position_of,
                    {"step": 3, "epoch": 1, "doc": 2, "offset": 1})
     one_line_error("the run is 999 tokens into document 2 of its source, where this file has", first.position_of,
                    {"step": 3, "epoch": 0, "doc": 2, "offset": 999})
+    # a token file of the same source: the same token while the run read it once, past its end never
+    pretokenize(compose_cfg(*source), tmp_path / "all.tokens")
+    whole = TokenFile(str(tmp_path / "all.tokens"))
+    assert whole.position_of({"step": 3, "epoch": 0, "doc": 0, "offset": 99}, first)["offset"] == 99
+    one_line_error("the run has read the documents of", whole.position_of, {"step": 3, "epoch": 1, "doc": 0,
+                                                                            "offset": 5}, first)
+    one_line_error(f"and the run is past them (epoch 0, token {len(first) + 1:,})", first.position_of,
+                   {"step": 3, "epoch": 0, "doc": 0, "offset": len(first) + 1}, whole)
+    assert whole.position_of({"step": 3, "epoch": 4, "doc": 0, "offset": 5}, whole)["epoch"] == 4
+    # which checkpoints a run over the file goes on from, and which of another source it refuses
+    fingerprint = data_fingerprint(compose_cfg("data=tokens", f"data.path={tmp_path / 'a.tokens'}").data)
+    tokens = compose_cfg("data=tokens", f"data.path={tmp_path / 'all.tokens'}").data
+    saved = {k: (v.value if hasattr(v, "value") else v) for k, v in compose_cfg(*source).data.items()}
+    assert switch_to_token_file(saved, tokens, fingerprint).earlier is None
+    over_first = {**saved, "name": "tokens", "path": str(tmp_path / "a.tokens")}
+    assert switch_to_token_file(over_first, tokens, fingerprint).earlier.path == tmp_path / "a.tokens"
+    assert switch_to_token_file({**over_first, "path": tokens.path}, tokens, fingerprint) is None  # a plain resume
+    one_line_error("made from another source than the checkpoint's (data.text_field='body' there, 'text' in its "
+                   "meta.json)", switch_to_token_file, {**saved, "text_field": "body"}, tokens, fingerprint)
+    one_line_error("the checkpoint read the token file /nowhere, which says where the run stands", switch_to_token_file,
+                   {**over_first, "path": "/nowhere"}, tokens, fingerprint)
+    (tmp_path / "b").mkdir()
+    write_jsonl(tmp_path / "b" / "a.jsonl", [{"text": "other text"}] * 3)
+    pretokenize(compose_cfg("data=jsonl", f"data.path={tmp_path / 'b' / 'a.jsonl'}", *source[2:]), tmp_path / "b.tokens")
+    one_line_error("made from another source than the token file", switch_to_token_file,
+                   {**over_first, "path": str(tmp_path / "b.tokens")}, tokens, fingerprint)
     # a file of an older version, which kept no starts
     meta = json.loads((tmp_path / "a.tokens" / META).read_text())
     (tmp_path / "a.tokens" / META).write_text(json.dumps({**meta, "format": 1}))
     (tmp_path / "a.tokens" / STARTS).unlink()
     one_line_error("written by an older version, which kept no starts.bin", TokenFile(str(tmp_path / "a.tokens"))
                    .position_of, {"step": 3, "epoch": 0, "doc": 2, "offset": 1})
-    # the checkpoint read another field of the same files
-    tokens = compose_cfg("data=tokens", f"data.path={tmp_path / 'a.tokens'}").data
-    saved = {k: (v.value if hasattr(v, "value") else v) for k, v in compose_cfg(*source).data.items()}
-    assert token_file_of_source(saved, tokens) is not None
-    assert token_file_of_source({**saved, "name": "tokens"}, tokens) is None  # a file to a file: a plain resume
-    one_line_error("made from another source than the checkpoint's (data.text_field='body' there, 'text' in its "
-                   "meta.json)", token_file_of_source, {**saved, "text_field": "body"}, tokens)
 
 
 @pytest.mark.slow
