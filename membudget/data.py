@@ -615,16 +615,22 @@ class TokenFileSwitch:
         return self.file.position_of(state, self.earlier)
 
 
-def switch_to_token_file(saved: Optional[dict], cfg: DataConfig, fingerprint: dict) -> Optional[TokenFileSwitch]:
-    """A TokenFileSwitch where this run reads a token file and a checkpoint (`saved`: its config's data section)
-    read the file's source, or another token file of that source; `fingerprint`: this run's data fingerprint. One
-    line when the file was made from another source (the settings that say what is read; the files are compared
-    through `compared`). None when this run reads no token file, or the checkpoint read the same one."""
+def switch_to_token_file(saved: Optional[dict], saved_fingerprint: Optional[dict], cfg: DataConfig,
+                         fingerprint: dict) -> Optional[TokenFileSwitch]:
+    """A TokenFileSwitch where this run reads a token file and a checkpoint (`saved`: its config's data section,
+    `saved_fingerprint`: its data fingerprint) read the file's source, or another token file of that source, or
+    this one at another path (moved or copied); `fingerprint`: this run's data fingerprint. One line when the file
+    was made from another source (the settings that say what is read; the files are compared through `compared`).
+    None when this run reads no token file, or the checkpoint read the same one at the same path."""
     if cfg.name != DataName.tokens or not saved or saved.get("name") == DataName.synthetic.value:
         return None
     if saved.get("name") == DataName.tokens.value:
         if saved.get("path") == cfg.path:
             return None
+        same = "files" in fingerprint and (saved_fingerprint or {}).get("files") == fingerprint["files"]
+        if same:  # the same file elsewhere (by its files' names, sizes and content): the same stream
+            file = TokenFile(cfg.path)
+            return TokenFileSwitch(file, fingerprint, earlier=file)
         try:
             earlier = TokenFile(saved.get("path"))
         except UserError as e:

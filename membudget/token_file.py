@@ -266,14 +266,16 @@ class TokenFile:
         length, whole = len(self.tokens), self.meta.get("most_tokens") is None
         if earlier is not None:
             epoch, offset = state["epoch"], state["offset"]
-            if epoch > 0 and not (whole and earlier.meta.get("most_tokens") is None):
+            if len(earlier) == length:  # the same documents of the same source (a copy, a move): the same stream
+                return {"step": state["step"], "epoch": epoch, "doc": 0, "offset": offset}
+            if whole and earlier.meta.get("most_tokens") is None:
+                raise UserError(f"{self.where}: holds {length:,} tokens of the whole source, and {earlier.where} "
+                                f"{len(earlier):,}: not of the same source; continue on {earlier.where}")
+            if epoch > 0:
                 raise UserError(f"{self.where}: the run has read the documents of {earlier.path} again (epoch "
                                 f"{epoch}), which a run over their source does not, so no place in another file of "
                                 f"that source is where it stands; continue on {earlier.where}, or start a run on "
                                 f"this one")
-            if whole and earlier.meta.get("most_tokens") is None and len(earlier) != length:
-                raise UserError(f"{self.where}: holds {length:,} tokens of the whole source, and {earlier.where} "
-                                f"{len(earlier):,}: not of the same source; continue on {earlier.where}")
             position = offset
         else:
             if self.starts is None:

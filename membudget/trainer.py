@@ -180,7 +180,8 @@ def _resume(cfg, checkpointer: Checkpointer, model, optimizer, scheduler, data: 
     on_token_file = {}  # step -> the checkpoint's data position in this run's token file, where it read another
 
     def accept(state: dict) -> None:
-        switch = switch_to_token_file((state.get("config") or {}).get("data"), cfg.data, data)
+        switch = switch_to_token_file((state.get("config") or {}).get("data"), state["extra"].get("data_fingerprint"),
+                                      cfg.data, data)
         refused, applied, allowed = config_changes(state.get("config"), now, same_stream=switch is not None)
         if refused:
             raise UserError(f"checkpoint.resume={cfg.checkpoint.resume!r}: the checkpoint at step {state['step']} was "

@@ -276,12 +276,19 @@ def test_a_run_started_on_its_source_continues_on_its_token_file_with_the_same_l
         assert read_summary(run)["config"]["data"]["name"] == "tokens"
         # 8 steps of 66 tokens from token 264 read past the file's 524 (4 from token 4 of epoch 1 do not)
         assert ("holds 524 tokens, and the 8 steps to train.steps read 528" in caplog.text) == (last == 4)
-    # the checkpoints written on the file resume on it as any run over a token file does
+    # the checkpoints written on the file resume on it as any run over a token file does, and on a copy of it
+    # elsewhere (the file moved to a faster disk: the first one gone)
     run = tmp_path / "after4"
     shutil.rmtree(run / "checkpoints" / "step_0000012")
     caplog.clear()
     assert train_here(run, *args, *file)["final_loss"] == on_source["final_loss"]
     assert steps(run) == steps(tmp_path / "source") and "continuing on the token file" not in caplog.text
+    shutil.rmtree(run / "checkpoints" / "step_0000012")
+    (tmp_path / "a.tokens").rename(tmp_path / "moved.tokens")
+    moved = [*source[2:], "data=tokens", f"data.path={tmp_path / 'moved.tokens'}"]
+    assert train_here(run, *args, *moved)["final_loss"] == on_source["final_loss"]
+    assert steps(run) == steps(tmp_path / "source")
+    (tmp_path / "moved.tokens").rename(tmp_path / "a.tokens")
     # a file of the first documents (300 tokens): the checkpoint of step 8 over the source (epoch 1) is past them
     pretokenize(compose_cfg(*source), tmp_path / "first.tokens", most_tokens=300)
     first = [*source[2:], "data=tokens", f"data.path={tmp_path / 'first.tokens'}"]
@@ -363,24 +370,28 @@ def test_a_token_file_that_cannot_continue_a_run_over_a_source_says_why_in_one_l
                                                                             "offset": 5}, first)
     one_line_error(f"and the run is past them (epoch 0, token {len(first) + 1:,})", first.position_of,
                    {"step": 3, "epoch": 0, "doc": 0, "offset": len(first) + 1}, whole)
-    assert whole.position_of({"step": 3, "epoch": 4, "doc": 0, "offset": 5}, whole)["epoch"] == 4
+    # a copy of the same file (moved to a faster disk, say): the same stream, in any epoch
+    shutil.copytree(tmp_path / "a.tokens", tmp_path / "copy.tokens")
+    at = {"step": 3, "epoch": 4, "doc": 0, "offset": 5}
+    assert TokenFile(str(tmp_path / "copy.tokens")).position_of(at, first) == at
+    assert whole.position_of(at, whole) == at
     # which checkpoints a run over the file goes on from, and which of another source it refuses
     fingerprint = data_fingerprint(compose_cfg("data=tokens", f"data.path={tmp_path / 'a.tokens'}").data)
     tokens = compose_cfg("data=tokens", f"data.path={tmp_path / 'all.tokens'}").data
     saved = {k: (v.value if hasattr(v, "value") else v) for k, v in compose_cfg(*source).data.items()}
-    assert switch_to_token_file(saved, tokens, fingerprint).earlier is None
+    assert switch_to_token_file(saved, None, tokens, fingerprint).earlier is None
     over_first = {**saved, "name": "tokens", "path": str(tmp_path / "a.tokens")}
-    assert switch_to_token_file(over_first, tokens, fingerprint).earlier.path == tmp_path / "a.tokens"
-    assert switch_to_token_file({**over_first, "path": tokens.path}, tokens, fingerprint) is None  # a plain resume
+    assert switch_to_token_file(over_first, None, tokens, fingerprint).earlier.path == tmp_path / "a.tokens"
+    assert switch_to_token_file({**over_first, "path": tokens.path}, None, tokens, fingerprint) is None  # a plain resume
     one_line_error("made from another source than the checkpoint's (data.text_field='body' there, 'text' in its "
-                   "meta.json)", switch_to_token_file, {**saved, "text_field": "body"}, tokens, fingerprint)
+                   "meta.json)", switch_to_token_file, {**saved, "text_field": "body"}, None, tokens, fingerprint)
     one_line_error("the checkpoint read the token file /nowhere, which says where the run stands", switch_to_token_file,
-                   {**over_first, "path": "/nowhere"}, tokens, fingerprint)
+                   {**over_first, "path": "/nowhere"}, None, tokens, fingerprint)
     (tmp_path / "b").mkdir()
     write_jsonl(tmp_path / "b" / "a.jsonl", [{"text": "other text"}] * 3)
     pretokenize(compose_cfg("data=jsonl", f"data.path={tmp_path / 'b' / 'a.jsonl'}", *source[2:]), tmp_path / "b.tokens")
     one_line_error("made from another source than the token file", switch_to_token_file,
-                   {**over_first, "path": str(tmp_path / "b.tokens")}, tokens, fingerprint)
+                   {**over_first, "path": str(tmp_path / "b.tokens")}, None, tokens, fingerprint)
     # a file of an older version, which kept no starts
     meta = json.loads((tmp_path / "a.tokens" / META).read_text())
     (tmp_path / "a.tokens" / META).write_text(json.dumps({**meta, "format": 1}))
