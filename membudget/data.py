@@ -636,11 +636,11 @@ def switch_to_token_file(saved: Optional[dict], saved_fingerprint: Optional[dict
         except UserError as e:
             raise UserError(f"data.path={cfg.path!r}: the checkpoint read the token file {saved.get('path')}, which "
                             f"says where the run stands in their source, and it cannot be read now ({e})") from None
-        made, where = earlier.meta, f"the token file {saved.get('path')}"
+        source, where = earlier.meta.get("source") or {}, f"the token file {saved.get('path')}"
     else:
-        earlier, made, where = None, {"source": saved}, "the checkpoint's"
+        earlier, source, where = None, saved, "the checkpoint's"
     file = TokenFile(cfg.path)
-    source, ours = made.get("source") or {}, file.meta.get("source") or {}
+    ours = file.meta.get("source") or {}
     differ = [f"data.{key}={source.get(key)!r} there, {value!r} in its meta.json" for key, value in sorted(ours.items())
               if key != "path" and source.get(key) != value]  # the path may differ: the files' fingerprints decide
     if earlier is not None and earlier.meta.get("source_fingerprint") != file.meta.get("source_fingerprint"):
@@ -778,7 +778,7 @@ class TokenBatches:
     def rereads(self, steps: int) -> Optional[str]:
         """A line when the next `steps` batches read past the end of the token file (its documents again): how many
         tokens they read, and how many it holds. None within the file, and for a source (whose length is known
-        only once read: `_new_epoch` says it then)."""
+        only once read: Prefetcher says so at the step that reads past it)."""
         if self._token_file is None:
             return None
         length, read = len(self._token_file), steps * self.global_batch_size * (self.seq_len + 1)
@@ -801,8 +801,9 @@ class Prefetcher:
     thread (tokenized, this rank's rows, pinned for a non-blocking copy to the GPU) while the current step runs.
 
     `state_dict()` is the position after the last batch handed out, not after those read ahead, so a checkpoint
-    resumes exactly there; a batch handed out in a new epoch of the data says so (`_handed_out`). An exception in the thread (a bad line further into the data) is raised by the
-    `next()` that would have returned that batch, and by every one after it. depth=0: no thread."""
+    resumes exactly there; a batch handed out in a new epoch of the data says so (`_handed_out`). An exception in
+    the thread (a bad line further into the data) is raised by the `next()` that would have returned that batch,
+    and by every one after it. depth=0: no thread."""
 
     def __init__(self, batches: TokenBatches, depth: int, pin: bool = False):
         self.batches, self.depth, self.pin = batches, depth, pin

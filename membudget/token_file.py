@@ -215,11 +215,10 @@ class TokenFile:
             raise UserError(f"data.path={path!r}: data=tokens reads a token file; point data.path at one, or write one "
                             f"with {COMMAND}")
         self.path, self.where = Path(os.path.expanduser(path)), f"data.path={path!r}"
-        where = self.where
         if not (self.path / META).is_file():
             what = ("is not a token file (no meta.json: its writing was cut short, or it is a corpus to tokenize)"
                     if self.path.is_dir() else "does not exist" if not self.path.exists() else "is not a token file")
-            raise UserError(f"{where}: {what}; write one with {COMMAND}")
+            raise UserError(f"{self.where}: {what}; write one with {COMMAND}")
         try:
             self.meta = json.loads((self.path / META).read_text())
             dtype, count = np.dtype(self.meta["dtype"]), int(self.meta["tokens"])
@@ -229,7 +228,7 @@ class TokenFile:
             if count < 1:
                 raise ValueError(f"{count} tokens")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UserError(f"{where}: cannot read its meta.json ({type(e).__name__}: {e}); write it again with "
+            raise UserError(f"{self.where}: cannot read its meta.json ({type(e).__name__}: {e}); write it again with "
                             f"{COMMAND}") from None
         self.tokens = self._mapped(TOKENS, dtype, count, "tokens")
         self.starts = None if documents is None else self._mapped(STARTS, START, documents, "documents")  # format 1
